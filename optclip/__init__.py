@@ -1,0 +1,38 @@
+"""optclip: gradient clipping for JAX and Optax.
+
+Every clipping mode of TensorFlow and Keras as pure pytree functions and Optax transformations,
+with exact float32 accumulation, the norm kept in the optimizer state, and multi-device
+reductions.
+"""
+
+from optclip._functional import clip_by_average_norm as clip_by_average_norm
+from optclip._functional import clip_by_global_norm as clip_by_global_norm
+from optclip._functional import clip_by_norm as clip_by_norm
+from optclip._functional import clip_by_value as clip_by_value
+from optclip._functional import global_norm as global_norm
+from optclip._transforms import ClippedState as ClippedState
+from optclip._transforms import GlobalClipState as GlobalClipState
+from optclip._transforms import ScheduleState as ScheduleState
+from optclip._transforms import average_norm_clip as average_norm_clip
+from optclip._transforms import clipped as clipped
+from optclip._transforms import global_clip as global_clip
+from optclip._transforms import norm_clip as norm_clip
+from optclip._transforms import value_clip as value_clip
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClippedState",
+    "GlobalClipState",
+    "ScheduleState",
+    "average_norm_clip",
+    "clip_by_average_norm",
+    "clip_by_global_norm",
+    "clip_by_norm",
+    "clip_by_value",
+    "clipped",
+    "global_clip",
+    "global_norm",
+    "norm_clip",
+    "value_clip",
+]

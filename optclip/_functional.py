@@ -1,0 +1,271 @@
+"""TensorFlow's clipping operations as pure functions on any pytree.
+
+All of them are built on the norm in `_norms`: a clip is the norm, one scale computed from it and
+the threshold, and every leaf multiplied by that scale.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optclip import _checks, _norms
+
+
+def threshold_as(value, dtype):
+    """A checked threshold as a 0-d array of `dtype`, negative values raised to zero."""
+    return jnp.maximum(jnp.asarray(value).astype(dtype), 0)
+
+
+def clip_scale(norm, threshold):
+    """``threshold / max(norm, threshold)``, guarded: 1 at or under the threshold (zero included),
+    NaN when the norm is not finite. Finite gradient everywhere the norm is finite."""
+    over = norm > threshold
+    scale = jnp.where(over, threshold / jnp.where(over, norm, 1), 1)
+    return jnp.where(jnp.isfinite(norm), scale, jnp.nan)
+
+
+def apply_scale(x, scale):
+    """``x * scale`` rounded once to `x`'s dtype (float16 and bfloat16 are scaled in float32)."""
+    x = jnp.asarray(x)
+    work = jnp.promote_types(x.dtype, jnp.float32)
+    return (x.astype(work) * scale.astype(work)).astype(x.dtype)
+
+
+def scale_tree(tree, scale):
+    """Every leaf of `tree` multiplied by the scalar `scale`."""
+    return jax.tree.map(lambda x: apply_scale(x, scale), tree)
+
+
+def global_norm(tree, *, ord=2, axis_name=None):
+    r"""The norm of all leaves of a pytree together, as if they were one flat vector.
+
+    .. math::
+        \|g\|_p = \Big(\sum_{x \in \text{leaves}} \sum_i |x_i|^p\Big)^{1/p}
+
+    Corresponds to ``tf.global_norm`` (``ord=2``) and to the total norm of
+    ``torch.nn.utils.clip_grad_norm_`` (any ``ord``). Unlike both, float16 and bfloat16 leaves are
+    accumulated in float32 across the whole tree, and values whose squares overflow still give a
+    finite, correct norm.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays (a single array is a tree). ``None`` and
+        ``optax.MaskedNode`` leaves are ignored.
+      ord: the order ``p``: 2 (default), 1, ``inf`` (largest magnitude) or any ``p > 0``.
+      axis_name: inside ``shard_map`` or ``pmap``, the mesh axes the leaves are split over: a
+        name, a tuple of names (every leaf), or a pytree of ``PartitionSpec`` s / names matching
+        the tree or a prefix of it (``None`` or ``P()`` for a replicated leaf). Not needed under
+        ``jit`` with sharded arrays.
+
+    Returns:
+      A 0-d float32 array (float64 if any leaf is float64 or complex128).
+
+    Raises:
+      TypeError: a leaf is not floating-point or complex (the message names its path).
+      ValueError: ``ord`` is not one of the accepted values, or ``axis_name`` does not match.
+
+    Examples:
+      >>> import jax.numpy as jnp, optclip
+      >>> print(optclip.global_norm([jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])]))
+      15.652476
+      >>> print(optclip.global_norm({"w": jnp.array([3., -4.])}, ord=1))
+      7.0
+    """
+    p = _checks.check_ord(ord)
+    return _norms.global_norm_of(tree, p, axis_name, "global_norm")
+
+
+def clip_by_value(tree, clip_value_min, clip_value_max):
+    r"""Clamps every element of every leaf into ``[clip_value_min, clip_value_max]``.
+
+    .. math::
+        x_i \mapsto \min(\max(x_i, \text{min}), \text{max})
+
+    Corresponds to ``tf.clip_by_value``. Clipping values changes the direction of a gradient;
+    prefer :func:`clip_by_global_norm` for gradients.
+
+    Args:
+      tree: a pytree of real arrays (integer leaves are accepted, as in TensorFlow; float bounds
+        are rounded inwards for them).
+      clip_value_min: lower bound: a scalar or an array that broadcasts to every leaf.
+      clip_value_max: upper bound, likewise.
+
+    Returns:
+      The clipped tree; every leaf keeps its shape and dtype.
+
+    Raises:
+      ValueError: concrete ``clip_value_min > clip_value_max``, or a bound that does not
+        broadcast to a leaf (the message names the leaf).
+      TypeError: a boolean or complex leaf.
+
+    Examples:
+      >>> import jax.numpy as jnp, optclip
+      >>> print(optclip.clip_by_value(jnp.array([-1., 2., 10.]), 0., 3.))
+      [0. 2. 3.]
+    """
+    _checks.check_bounds(clip_value_min, clip_value_max)
+
+    def clip_leaf(path, x):
+        x = jnp.asarray(x)
+        dtype = x.dtype
+        if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"`clip_by_value` needs real numeric leaves; leaf `{_checks.leaf_name(path)}` "
+                f"has dtype {dtype}."
+            )
+        lo, hi = jnp.asarray(clip_value_min), jnp.asarray(clip_value_max)
+        for bound, name in ((lo, "clip_value_min"), (hi, "clip_value_max")):
+            try:
+                fits = np.broadcast_shapes(bound.shape, x.shape) == x.shape
+            except ValueError:
+                fits = False
+            if not fits:
+                raise ValueError(
+                    f"`{name}` of shape {bound.shape} does not broadcast to leaf "
+                    f"`{_checks.leaf_name(path)}` of shape {x.shape}."
+                )
+        if jnp.issubdtype(dtype, jnp.integer):
+            lo, hi = _integer_bound(lo, dtype, jnp.ceil), _integer_bound(hi, dtype, jnp.floor)
+        return jnp.clip(x, lo.astype(dtype), hi.astype(dtype))
+
+    return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def _integer_bound(bound, dtype, rounding):
+    """A bound for an integer leaf: float bounds rounded inwards and kept in the dtype's range."""
+    if jnp.issubdtype(bound.dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return jnp.clip(bound, info.min, info.max) if bound.dtype != dtype else bound
+    info = jnp.iinfo(dtype)
+    return jnp.clip(rounding(bound), float(info.min), float(info.max))
+
+
+def clip_by_norm(tree, clip_norm, axes=None):
+    r"""Scales each leaf (or each slice of it) down to an L2 norm of at most `clip_norm`.
+
+    .. math::
+        x \mapsto x \cdot \frac{c}{\max(\|x\|_2, c)}
+
+    Corresponds to ``tf.clip_by_norm``, applied to every leaf separately. With `axes`, the norm is
+    taken over those axes and each slice is clipped on its own (``axes=[1]`` on a matrix clips
+    each row). Clipping each tensor by its own norm changes their relative scale; prefer
+    :func:`clip_by_global_norm` for gradients.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays.
+      clip_norm: the largest norm, a 0-d real number; negative values are treated as zero.
+      axes: None (the whole leaf), an int or a sequence of ints; negative axes count from each
+        leaf's last axis.
+
+    Returns:
+      The clipped tree; every leaf keeps its shape and dtype, and is unchanged bit for bit where
+      its norm is at or under `clip_norm`. A slice whose norm is not finite becomes NaN.
+
+    Raises:
+      ValueError: `clip_norm` is not 0-d, or `axes` is out of range for a leaf.
+      TypeError: an integer or boolean leaf (the message names its path).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, optclip
+      >>> x = jnp.array([[1., 2., 3., 4., 5.]])
+      >>> print(np.round(np.float64(optclip.clip_by_norm(x, 2.0)), 4))
+      [[0.2697 0.5394 0.809  1.0787 1.3484]]
+      >>> print(optclip.clip_by_norm(jnp.array([[3., 4.], [0.3, 0.4]]), 1.0, axes=[1]))
+      [[0.6 0.8]
+       [0.3 0.4]]
+    """
+    _checks.check_scalar(clip_norm, "clip_norm")
+
+    def clip_leaf(path, x):
+        _checks.check_float_leaf(path, x, "clip_by_norm")
+        x = jnp.asarray(x)
+        leaf_axes = None if axes is None else _checks.normalize_axes(axes, path, x.ndim)
+        norm = _norms.leaf_norm(x, 2.0, leaf_axes)
+        return apply_scale(x, clip_scale(norm, threshold_as(clip_norm, norm.dtype)))
+
+    return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def clip_by_average_norm(tree, clip_norm):
+    r"""Scales each leaf down to an average L2 norm (norm / number of elements) of at most
+    `clip_norm`.
+
+    .. math::
+        x \mapsto x \cdot \frac{c}{\max(\|x\|_2 / n, c)}, \quad n = \text{x.size}
+
+    Corresponds to ``tf.clip_by_average_norm`` (removed in TensorFlow 2), applied to every leaf.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays.
+      clip_norm: the largest average norm, a 0-d real number; negative values are treated as zero.
+
+    Returns:
+      The clipped tree; every leaf keeps its shape and dtype.
+
+    Raises:
+      ValueError: `clip_norm` is not 0-d.
+      TypeError: an integer or boolean leaf (the message names its path).
+
+    Examples:
+      >>> import jax.numpy as jnp, optclip
+      >>> print(optclip.clip_by_average_norm(jnp.array([3., 4.]), 1.0))
+      [1.2 1.6]
+    """
+    _checks.check_scalar(clip_norm, "clip_norm")
+
+    def clip_leaf(path, x):
+        _checks.check_float_leaf(path, x, "clip_by_average_norm")
+        x = jnp.asarray(x)
+        norm = _norms.leaf_norm(x, 2.0)
+        average = norm / max(x.size, 1)
+        return apply_scale(x, clip_scale(average, threshold_as(clip_norm, average.dtype)))
+
+    return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
+    r"""Scales all leaves by one factor so that their global L2 norm is at most `clip_norm`.
+
+    .. math::
+        x \mapsto x \cdot \frac{c}{\max(\|g\|_2, c)}, \quad
+        \|g\|_2 = \sqrt{\textstyle\sum_{x} \|x\|_2^2}
+
+    Corresponds to ``tf.clip_by_global_norm``: every gradient keeps its direction and relative
+    scale. Differences on purpose: the norm is accumulated in float32 (no float16 overflow, exact
+    for bfloat16), the gradient is finite at zero input (TensorFlow's is NaN), and a negative
+    `clip_norm` is treated as zero.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays (``None`` and ``optax.MaskedNode``
+        leaves are kept and ignored).
+      clip_norm: the largest global norm, a 0-d real number; negative values are treated as zero.
+      use_norm: a 0-d global norm to use instead of computing it.
+      axis_name: the mesh axes the leaves are split over inside ``shard_map``/``pmap``; see
+        :func:`global_norm`.
+
+    Returns:
+      ``(clipped_tree, global_norm)``. Every leaf keeps its dtype and is unchanged bit for bit
+      when the norm is at or under `clip_norm`. If the norm is not finite every leaf is NaN.
+
+    Raises:
+      ValueError: `clip_norm` or `use_norm` is not 0-d.
+      TypeError: an integer or boolean leaf (the message names its path).
+
+    Examples:
+      >>> import jax.numpy as jnp, numpy as np, optclip
+      >>> grads = [jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])]
+      >>> clipped, norm = optclip.clip_by_global_norm(grads, 14.5)
+      >>> print(norm, np.round(np.float64(clipped[0]), 4))
+      15.652476 [-1.8527  2.7791  5.5582]
+    """
+    _checks.check_scalar(clip_norm, "clip_norm")
+    leaves = _norms.float_leaves(tree, "clip_by_global_norm")
+    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    if use_norm is None:
+        norm = _norms.tree_norm(leaves, _norms.leaf_mesh_axes(tree, axis_name), 2.0)
+    else:
+        _checks.check_scalar(use_norm, "use_norm")
+        norm = jnp.asarray(use_norm).astype(dtype)
+    scale = clip_scale(norm, threshold_as(clip_norm, norm.dtype))
+    return scale_tree(tree, scale), norm

@@ -1,0 +1,339 @@
+"""The norm: one routine serves every clipping mode.
+
+* Accumulation: float32 for float16, bfloat16, float32 and complex64 leaves; float64 for float64
+  and complex128 leaves; across leaves in the widest of these.
+* Overflow and underflow: the plain sum of ``|x|**p`` is computed first. Only when it overflows
+  (``inf``) or underflows (below the smallest normal number) is the norm computed again with every
+  value divided by the largest magnitude, under `lax.cond`, so the common path pays one scalar
+  comparison.
+* Gradients: square roots and fractional powers are guarded so that the gradient is finite
+  everywhere, zero input included.
+* Many leaves: small leaves of one shape, dtype and sharding are stacked and reduced together, so
+  compile time does not grow with one kernel per leaf.
+* Devices: partial sums of leaves split over mesh axes are all-reduced (`psum`, or `pmax` for the
+  infinity norm) over exactly those axes, once per distinct set of axes; replicated leaves are
+  counted once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from optclip import _checks
+
+# Leaves with at most this many elements are stacked with others of their shape before reducing.
+STACK_MAX_SIZE = 1 << 14
+# At most this many leaves go into one stack (XLA compiles huge concatenations slowly).
+STACK_CHUNK = 128
+
+
+def accum_dtype(dtype) -> np.dtype:
+    """The real dtype a leaf's norm is accumulated in."""
+    dtype = jnp.dtype(dtype)
+    if dtype in (jnp.dtype(jnp.float64), jnp.dtype(jnp.complex128)):
+        return jnp.dtype(jnp.float64)
+    return jnp.dtype(jnp.float32)
+
+
+def widest_accum_dtype(dtypes: Sequence) -> np.dtype:
+    """The accumulation dtype for a set of leaves: float64 if any leaf needs it."""
+    accs = {accum_dtype(d) for d in dtypes}
+    return jnp.dtype(jnp.float64) if jnp.dtype(jnp.float64) in accs else jnp.dtype(jnp.float32)
+
+
+def _is_static(p) -> bool:
+    return isinstance(p, float)
+
+
+def _pow0(a, q):
+    """``a ** q`` for ``a >= 0`` with a finite gradient at ``a == 0`` (for ``q < 1`` too)."""
+    if _is_static(q) and q == 1.0:
+        return a
+    if _is_static(q) and q > 1.0:
+        return a**q
+    positive = a > 0
+    return jnp.where(positive, jnp.where(positive, a, 1) ** q, 0)
+
+
+def _root(total, p):
+    """``total ** (1 / p)`` with a finite gradient at zero."""
+    if _is_static(p) and p == 1.0:
+        return total
+    if _is_static(p) and p == 2.0:
+        positive = total > 0
+        return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
+    return _pow0(total, 1 / p)
+
+
+def _parts(x):
+    """The real components of `x` in its accumulation dtype: ``(x,)`` or ``(re, im)``."""
+    acc = accum_dtype(x.dtype)
+    if jnp.iscomplexobj(x):
+        return jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
+    return (x.astype(acc),)
+
+
+def magnitude_power(x, p, scale=None):
+    """``|x / scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for complex)."""
+    parts = _parts(x)
+    if scale is not None:
+        parts = tuple(c / scale for c in parts)
+    if len(parts) == 2:
+        square = parts[0] * parts[0] + parts[1] * parts[1]
+        if _is_static(p) and p == 2.0:
+            return square
+        return _pow0(square, p / 2)
+    (a,) = parts
+    if _is_static(p) and p == 2.0:
+        return a * a
+    return _pow0(jnp.abs(a), p)
+
+
+def _largest_part(x, axes, keepdims):
+    """The largest ``|component|`` (a scale within a factor sqrt(2) of the largest magnitude)."""
+    parts = [jnp.abs(c) for c in _parts(x)]
+    a = parts[0] if len(parts) == 1 else jnp.maximum(*parts)
+    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0)
+
+
+def _largest_magnitude(x, axes, keepdims):
+    """``max |x|`` exactly (the infinity norm), with a finite gradient at zero."""
+    if not jnp.iscomplexobj(x):
+        return _largest_part(x, axes, keepdims)
+    z = x.astype(jnp.promote_types(x.dtype, jnp.complex64))
+    nonzero = z != 0
+    a = jnp.where(nonzero, jnp.abs(jnp.where(nonzero, z, 1)), 0)
+    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0)
+
+
+def _needs_rescale(total, p, zero_is_exact: bool):
+    """Where a plain sum of powers lost the norm: it overflowed or underflowed.
+
+    A sum that is exactly zero comes from an all-zero input or from values whose powers all
+    flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
+    that zero slices, common in per-slice clipping, do not take the slow path; orders above 2
+    flush much sooner (``1e-5 ** 8``) and never trust it.
+    """
+    tiny = jnp.finfo(total.dtype).smallest_normal
+    if zero_is_exact and _is_static(p) and p <= 2.0:
+        low = (total > 0) & (total < tiny)
+    else:
+        low = total < tiny
+    return (total == jnp.inf) | low
+
+
+def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_exact: bool):
+    """The norm from a plain sum of powers, or, if that sum lost it, from a rescaled one.
+
+    `largest()` gives the largest magnitude (the scale) and `rescaled_total(scale)` the sum of
+    ``|x / scale| ** p``; both are only evaluated when the plain sum overflowed or underflowed.
+    """
+
+    def plain():
+        return _root(total, p)
+
+    def rescaled():
+        m = largest()
+        scale = jnp.where((m > 0) & (m < jnp.inf), m, 1)
+        norm = scale * _root(rescaled_total(scale), p)
+        return jnp.where(m == jnp.inf, jnp.inf, norm).astype(total.dtype)
+
+    return lax.cond(jnp.any(_needs_rescale(total, p, zero_is_exact)), rescaled, plain)
+
+
+def leaf_norm(x, p: float = 2.0, axes=None):
+    """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
+
+    `axes` must already be normalised (a tuple of non-negative ints) or None.
+    """
+    keepdims = axes is not None
+    if p == math.inf:
+        return _largest_magnitude(x, axes, keepdims)
+
+    def total_for(scale):
+        return jnp.sum(magnitude_power(x, p, scale), axis=axes, keepdims=keepdims)
+
+    largest = lambda: _largest_part(x, axes, keepdims)  # noqa: E731
+    return _safe_norm(total_for(None), p, largest, total_for, zero_is_exact=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Global norm over many leaves, possibly split over mesh axes.
+
+
+def _sharding_key(x):
+    try:
+        return jax.typeof(x).sharding
+    except Exception:  # noqa: BLE001 - no sharding information: group by shape alone.
+        return None
+
+
+def _batches(leaves, leaf_axes):
+    """Arrays to reduce: big leaves alone, small ones stacked with their like (shape, dtype, axes).
+
+    Yields ``(array, mesh_axes)``; every element of every leaf is in exactly one array.
+    """
+    groups: dict = {}
+    for x, axes in zip(leaves, leaf_axes):
+        if x.size > STACK_MAX_SIZE:
+            yield x, axes
+            continue
+        key = (x.shape, x.dtype, axes, _sharding_key(x))
+        groups.setdefault(key, []).append(x)
+    for (_, _, axes, _), xs in groups.items():
+        for start in range(0, len(xs), STACK_CHUNK):
+            chunk = xs[start : start + STACK_CHUNK]
+            yield (chunk[0] if len(chunk) == 1 else jnp.stack(chunk)), axes
+
+
+def _combine(leaves, leaf_axes, reduce_fn, how: str, dtype):
+    """Reduces every leaf to a scalar with `reduce_fn`, then across leaves and devices.
+
+    `how` is "sum" or "max". Partials of leaves split over the same mesh axes are combined
+    first and all-reduced once over those axes.
+    """
+    by_axes: dict = {}
+    for array, axes in _batches(leaves, leaf_axes):
+        by_axes.setdefault(axes, []).append(reduce_fn(array).astype(dtype))
+    totals = []
+    for axes, parts in by_axes.items():
+        stacked = jnp.stack(parts) if len(parts) > 1 else parts[0]
+        total = jnp.sum(stacked) if how == "sum" else jnp.max(stacked)
+        if axes:
+            total = lax.psum(total, axes) if how == "sum" else lax.pmax(total, axes)
+        totals.append(total)
+    stacked = jnp.stack(totals) if len(totals) > 1 else totals[0]
+    return jnp.sum(stacked) if how == "sum" else jnp.max(stacked)
+
+
+def _tree_norm(leaves, leaf_axes, p, dtype):
+    """The global norm for a static order, or a traced finite one."""
+    if _is_static(p) and p == math.inf:
+        return _combine(
+            leaves, leaf_axes, lambda a: _largest_magnitude(a, None, False), "max", dtype
+        )
+
+    def total_for(scale):
+        return _combine(
+            leaves, leaf_axes, lambda a: jnp.sum(magnitude_power(a, p, scale)), "sum", dtype
+        )
+
+    def largest():
+        return _combine(leaves, leaf_axes, lambda a: _largest_part(a, None, False), "max", dtype)
+
+    return _safe_norm(total_for(None), p, largest, total_for, zero_is_exact=False)
+
+
+def _tree_norm_traced(leaves, leaf_axes, p, dtype):
+    """The norm for an order known only at run time (`inject_hyperparams`): one branch runs."""
+    p = jnp.asarray(p).astype(dtype)
+    index = jnp.where(
+        p == 2, 0, jnp.where(p == 1, 1, jnp.where(p == jnp.inf, 2, jnp.where(p > 0, 3, 4)))
+    )
+    branches = [
+        lambda: _tree_norm(leaves, leaf_axes, 2.0, dtype),
+        lambda: _tree_norm(leaves, leaf_axes, 1.0, dtype),
+        lambda: _tree_norm(leaves, leaf_axes, math.inf, dtype),
+        lambda: _tree_norm(leaves, leaf_axes, p, dtype),
+        lambda: jnp.full((), jnp.nan, dtype),  # an order that is not > 0
+    ]
+    return lax.switch(index, branches)
+
+
+def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
+    """The `p`-norm of all `leaves` together; `leaf_axes[i]` are the mesh axes leaf i is split over.
+
+    `p` is a Python float from `_checks.check_ord`, or a traced order.
+    """
+    dtype = widest_accum_dtype([x.dtype for x in leaves])
+    if not leaves:
+        return jnp.zeros((), dtype)
+    if _is_static(p):
+        return _tree_norm(leaves, leaf_axes, p, dtype)
+    return _tree_norm_traced(leaves, leaf_axes, p, dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Which mesh axes each leaf is split over.
+
+
+def _is_spec_leaf(value) -> bool:
+    return (
+        value is None
+        or isinstance(value, (str, PartitionSpec))
+        or (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and value != ())
+    )
+
+
+def _spec_axes(spec) -> tuple:
+    """The mesh axis names a `PartitionSpec`, a name, a tuple of names or None splits over."""
+    if spec is None:
+        return ()
+    if isinstance(spec, str):
+        return (spec,)
+    names = []
+    for entry in spec:
+        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
+            continue
+        names.extend([entry] if isinstance(entry, str) else list(entry))
+    for name in names:
+        if not isinstance(name, str):
+            raise ValueError(
+                f"`axis_name` entries must be mesh axis names, got {name!r} in {spec}."
+            )
+    return tuple(sorted(set(names)))
+
+
+def leaf_mesh_axes(tree, axis_name) -> list[tuple]:
+    """For each leaf of `tree` (in order), the sorted mesh axis names it is split over."""
+    n = len(jax.tree.leaves(tree))
+    if axis_name is None:
+        return [()] * n
+    if isinstance(axis_name, str) or (
+        type(axis_name) is tuple and axis_name and all(isinstance(a, str) for a in axis_name)
+    ):
+        return [_spec_axes(tuple(axis_name) if isinstance(axis_name, tuple) else axis_name)] * n
+    if isinstance(axis_name, PartitionSpec):
+        return [_spec_axes(axis_name)] * n
+
+    def per_subtree(spec, subtree):
+        return [_spec_axes(spec)] * len(jax.tree.leaves(subtree))
+
+    try:
+        per_leaf = jax.tree.map(per_subtree, axis_name, tree, is_leaf=_is_spec_leaf)
+    except (ValueError, TypeError) as error:
+        raise ValueError(
+            "`axis_name` must be a mesh axis name, a tuple of names, or a pytree of "
+            "PartitionSpecs / names matching the updates (or a prefix of them, like "
+            f"shard_map's `in_specs`); it does not match the updates: {error}"
+        ) from None
+    out = [axes for group in jax.tree.leaves(per_leaf, is_leaf=lambda v: isinstance(v, list))
+           for axes in group]
+    if len(out) != n:
+        raise ValueError(
+            f"`axis_name` describes {len(out)} leaves but the updates have {n}."
+        )
+    return out
+
+
+def float_leaves(tree, what: str):
+    """The leaves of `tree` as arrays, checked to be floating-point or complex."""
+    paths_and_leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = []
+    for path, leaf in paths_and_leaves:
+        _checks.check_float_leaf(path, leaf, what)
+        leaves.append(jnp.asarray(leaf))
+    return leaves
+
+
+def global_norm_of(tree, p, axis_name, what: str):
+    """The global `p`-norm of a checked tree (`p` already normalised by `_checks.check_ord`)."""
+    leaves = float_leaves(tree, what)
+    return tree_norm(leaves, leaf_mesh_axes(tree, axis_name), p)
