@@ -29,7 +29,8 @@ def clip_scale(norm, threshold):
 def apply_scale(x, scale):
     """``x * scale`` rounded once to `x`'s dtype (float16 and bfloat16 are scaled in float32)."""
     x = jnp.asarray(x)
-    work = jnp.promote_types(x.dtype, jnp.float32)
+    # Not `jnp.promote_types`: under jax_numpy_dtype_promotion='strict' it refuses bfloat16.
+    work = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
     return (x.astype(work) * scale.astype(work)).astype(x.dtype)
 
 

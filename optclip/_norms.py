@@ -58,8 +58,8 @@ def _pow0(a, q):
         return a
     if _is_static(q) and q > 1.0:
         return a**q
-    positive = a > 0
-    return jnp.where(positive, jnp.where(positive, a, 1) ** q, 0)
+    zero = a == 0  # (not `a > 0`, which would turn NaN into 0)
+    return jnp.where(zero, 0, jnp.where(zero, 1, a) ** q)
 
 
 def _root(total, p):
@@ -67,8 +67,8 @@ def _root(total, p):
     if _is_static(p) and p == 1.0:
         return total
     if _is_static(p) and p == 2.0:
-        positive = total > 0
-        return jnp.where(positive, jnp.sqrt(jnp.where(positive, total, 1)), 0)
+        zero = total == 0
+        return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, total)))
     return _pow0(total, 1 / p)
 
 
@@ -84,7 +84,7 @@ def magnitude_power(x, p, scale=None):
     """``|x / scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for complex)."""
     parts = _parts(x)
     if scale is not None:
-        parts = tuple(c / scale for c in parts)
+        parts = tuple(c / scale.astype(c.dtype) for c in parts)
     if len(parts) == 2:
         square = parts[0] * parts[0] + parts[1] * parts[1]
         if _is_static(p) and p == 2.0:
@@ -141,7 +141,9 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_ex
 
     def rescaled():
         m = largest()
-        scale = jnp.where((m > 0) & (m < jnp.inf), m, 1)
+        # The norm does not depend on the scale, so no gradient flows through it (its
+        # derivative would divide by scale**2, which overflows).
+        scale = lax.stop_gradient(jnp.where((m > 0) & (m < jnp.inf), m, 1))
         norm = scale * _root(rescaled_total(scale), p)
         return jnp.where(m == jnp.inf, jnp.inf, norm).astype(total.dtype)
 
@@ -291,20 +293,27 @@ def _spec_axes(spec) -> tuple:
     return tuple(sorted(set(names)))
 
 
-def leaf_mesh_axes(tree, axis_name) -> list[tuple]:
-    """For each leaf of `tree` (in order), the sorted mesh axis names it is split over."""
+class _LeafSpecs:
+    """The specs of the leaves under one `axis_name` entry: an opaque pytree leaf, so that list
+    nodes in `axis_name` (a list of `PartitionSpec`s) are not mistaken for results."""
+
+    def __init__(self, specs: list):
+        self.specs = specs
+
+
+def leaf_specs(tree, axis_name) -> list:
+    """For each leaf of `tree` (in order), the part of `axis_name` that describes it: None, a mesh
+    axis name, a tuple of names or a `PartitionSpec`."""
     n = len(jax.tree.leaves(tree))
     if axis_name is None:
-        return [()] * n
-    if isinstance(axis_name, str) or (
+        return [None] * n
+    if isinstance(axis_name, (str, PartitionSpec)) or (
         type(axis_name) is tuple and axis_name and all(isinstance(a, str) for a in axis_name)
     ):
-        return [_spec_axes(tuple(axis_name) if isinstance(axis_name, tuple) else axis_name)] * n
-    if isinstance(axis_name, PartitionSpec):
-        return [_spec_axes(axis_name)] * n
+        return [axis_name] * n
 
     def per_subtree(spec, subtree):
-        return [_spec_axes(spec)] * len(jax.tree.leaves(subtree))
+        return _LeafSpecs([spec] * len(jax.tree.leaves(subtree)))
 
     try:
         per_leaf = jax.tree.map(per_subtree, axis_name, tree, is_leaf=_is_spec_leaf)
@@ -314,13 +323,31 @@ def leaf_mesh_axes(tree, axis_name) -> list[tuple]:
             "PartitionSpecs / names matching the updates (or a prefix of them, like "
             f"shard_map's `in_specs`); it does not match the updates: {error}"
         ) from None
-    out = [axes for group in jax.tree.leaves(per_leaf, is_leaf=lambda v: isinstance(v, list))
-           for axes in group]
+    out = [spec for group in jax.tree.leaves(per_leaf) for spec in group.specs]
     if len(out) != n:
         raise ValueError(
             f"`axis_name` describes {len(out)} leaves but the updates have {n}."
         )
     return out
+
+
+def leaf_mesh_axes(tree, axis_name) -> list[tuple]:
+    """For each leaf of `tree` (in order), the sorted mesh axis names it is split over."""
+    return [_spec_axes(spec) for spec in leaf_specs(tree, axis_name)]
+
+
+def all_reduce_norm(norm, mesh_axes: tuple):
+    """The 2-norms of pieces split over `mesh_axes` combined into the 2-norm of the whole.
+
+    ``sqrt(psum(norm ** 2))``, with every piece divided by the largest first so that the squares
+    cannot overflow. Elementwise: `norm` may be an array of norms (one per unit).
+    """
+    if not mesh_axes:
+        return norm
+    largest = lax.pmax(lax.stop_gradient(norm), mesh_axes)
+    scale = jnp.where((largest > 0) & (largest < jnp.inf), largest, 1)
+    total = lax.psum(jnp.square(norm / scale), mesh_axes)
+    return jnp.where(largest == jnp.inf, jnp.inf, scale * _root(total, 2.0))
 
 
 def float_leaves(tree, what: str):

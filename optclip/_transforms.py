@@ -43,9 +43,13 @@ def _counter():
 def _check_axes_static(axes) -> None:
     if axes is None or _checks.is_traced(axes):
         return
-    items = [axes] if isinstance(axes, (numbers.Integral, np.integer)) else axes
+    def is_int(a):
+        if isinstance(a, (np.ndarray, jax.Array)):
+            return a.ndim == 0 and jnp.issubdtype(a.dtype, jnp.integer)
+        return isinstance(a, (numbers.Integral, np.integer)) and not isinstance(a, bool)
+
     try:
-        ok = all(isinstance(a, (numbers.Integral, np.integer)) for a in items)
+        ok = is_int(axes) or all(is_int(a) for a in axes)
     except TypeError:
         ok = False
     if not ok:

@@ -1,0 +1,86 @@
+"""Float64 NumPy references that every result is compared with."""
+
+import jax
+import numpy as np
+
+# Relative tolerance for values rounded once to each dtype.
+RTOL = {
+    "float16": 2e-3,
+    "bfloat16": 1.6e-2,
+    "float32": 2e-6,
+    "complex64": 2e-6,
+    "float64": 1e-12,
+    "complex128": 1e-12,
+}
+
+
+def rtol_for(dtype) -> float:
+    return RTOL[np.dtype(dtype).name]
+
+
+def as_f64(x) -> np.ndarray:
+    """A leaf's exact values in float64 (complex128 for complex leaves)."""
+    x = np.asarray(x)
+    return x.astype(np.complex128 if np.iscomplexobj(x) else np.float64)
+
+
+def ref_global_norm(leaves, p=2.0) -> float:
+    """The float64 NumPy reference for the global p-norm of a list of leaves."""
+    flat = np.concatenate([np.abs(as_f64(x)).ravel() for x in leaves] + [np.zeros(0)])
+    if p == np.inf:
+        return float(flat.max(initial=0.0))
+    m = flat.max(initial=0.0)
+    if m == 0:
+        return 0.0
+    return float(m * np.sum((flat / m) ** p) ** (1.0 / p))
+
+
+def ref_scale(norm, threshold):
+    threshold = max(float(threshold), 0.0)
+    if not np.isfinite(norm):
+        return np.nan
+    return 1.0 if norm <= threshold else threshold / norm
+
+
+def run(fn, mode):
+    return fn if mode == "eager" else jax.jit(fn)
+
+
+def ref_clip_by_norm(x, clip, axes=None) -> np.ndarray:
+    """TensorFlow's clip_by_norm in float64: ``x * c / max(norm, c)`` per slice."""
+    x = as_f64(x)
+    axes = None if axes is None else tuple(np.atleast_1d(axes))
+    norm = np.sqrt(np.sum(np.abs(x) ** 2, axis=axes, keepdims=True))
+    clip = max(float(clip), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        scale = np.where(norm > clip, clip / np.where(norm > clip, norm, 1.0), 1.0)
+    return x * np.where(np.isfinite(norm), scale, np.nan)
+
+
+def ref_clip_by_average_norm(x, clip) -> np.ndarray:
+    x = as_f64(x)
+    average = np.sqrt(np.sum(np.abs(x) ** 2)) / max(x.size, 1)
+    return x * ref_scale(average, clip)
+
+
+def ref_clip_by_global_norm(leaves, clip):
+    norm = ref_global_norm(leaves)
+    scale = ref_scale(norm, clip)
+    return [as_f64(x) * scale for x in leaves], norm
+
+
+def random_leaves(rng, shapes, dtype, spread=True):
+    """Normal leaves of the given shapes, each with its own scale when `spread`."""
+    out = []
+    for shape in shapes:
+        scale = 10.0 ** rng.uniform(-2, 2) if spread else 1.0
+        out.append(np.asarray(scale * rng.standard_normal(shape)).astype(dtype))
+    return out
+
+
+def assert_close(actual, expected, dtype, factor=1.0):
+    """Element-wise comparison with a tolerance fitting `dtype`'s rounding."""
+    actual = as_f64(actual)
+    expected = np.asarray(expected)
+    atol = factor * rtol_for(dtype) * max(np.max(np.abs(expected), initial=0.0), 1e-30)
+    np.testing.assert_allclose(actual, expected, rtol=factor * rtol_for(dtype), atol=atol)

@@ -1,0 +1,127 @@
+"""Bad input: a clear error at the call, naming the argument or the leaf."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optclip
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: optclip.clip_by_norm(jnp.ones(3), jnp.ones(2)),
+        lambda: optclip.clip_by_average_norm(jnp.ones(3), np.ones((2,))),
+        lambda: optclip.clip_by_global_norm([jnp.ones(3)], jnp.ones(2)),
+    ],
+)
+def test_threshold_must_be_0d(call):
+    message = r"`clip_norm` must be a scalar, got an array of shape \(2,\)"
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    "factory", [optclip.norm_clip, optclip.average_norm_clip, optclip.global_clip]
+)
+def test_transform_threshold_must_be_0d(factory):
+    message = r"`max_norm` must be a scalar, got an array of shape \(3,\)"
+    with pytest.raises(ValueError, match=message):
+        factory(jnp.ones(3))
+    with pytest.raises(TypeError, match="`max_norm` must be a real number"):
+        factory("1.0")
+
+
+def test_use_norm_must_be_0d():
+    message = r"`use_norm` must be a scalar, got an array of shape \(1,\)"
+    with pytest.raises(ValueError, match=message):
+        optclip.clip_by_global_norm([jnp.ones(3)], 1.0, use_norm=jnp.ones(1))
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda t: optclip.global_norm(t),
+        lambda t: optclip.clip_by_norm(t, 1.0),
+        lambda t: optclip.clip_by_average_norm(t, 1.0),
+        lambda t: optclip.clip_by_global_norm(t, 1.0),
+        lambda t: optclip.global_clip(1.0).update(t, optclip.global_clip(1.0).init(t)),
+        lambda t: optclip.norm_clip(1.0).update(t, optax.EmptyState()),
+    ],
+)
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_])
+def test_norm_modes_reject_integer_and_bool_leaves(call, dtype):
+    tree = {"layer": [jnp.ones(2), jnp.ones(2, dtype)]}
+    with pytest.raises(TypeError, match=rf"leaf `\['layer'\]\[1\]` has dtype {jnp.dtype(dtype)}"):
+        call(tree)
+
+
+def test_clip_by_value_accepts_integers_but_not_bools():
+    np.testing.assert_array_equal(optclip.clip_by_value(jnp.array([5, -5]), -2, 2), [2, -2])
+    with pytest.raises(TypeError, match=r"leaf `\['m'\]` has dtype bool"):
+        optclip.clip_by_value({"m": jnp.array([True])}, 0, 1)
+
+
+def test_bounds_must_be_ordered():
+    with pytest.raises(ValueError, match="`clip_value_min` must be <= `clip_value_max`"):
+        optclip.clip_by_value(jnp.ones(2), 1.0, 0.0)
+    with pytest.raises(ValueError, match="`clip_value_min` must be <= `clip_value_max`"):
+        optclip.value_clip(1.0, -1.0)
+    with pytest.raises(ValueError, match=r"means the range \[-v, v\] and must be >= 0"):
+        optclip.value_clip(-1.0)
+
+
+def test_bounds_must_broadcast_to_each_leaf():
+    tree = {"a": jnp.ones((2, 3)), "b": jnp.ones((4,))}
+    with pytest.raises(ValueError, match=r"`clip_value_max` of shape \(3,\) does not broadcast "
+                                         r"to leaf `\['b'\]` of shape \(4,\)"):
+        optclip.clip_by_value(tree, 0.0, jnp.ones(3))
+
+
+def test_axes_out_of_range_names_the_leaf():
+    tree = {"w": jnp.ones((2, 3)), "b": jnp.ones(3)}
+    with pytest.raises(ValueError, match=r"`axes` \(1,\) is out of range for leaf `\['b'\]`"):
+        optclip.clip_by_norm(tree, 1.0, axes=1)
+    with pytest.raises(ValueError, match=r"out of range for leaf `\['b'\]`"):
+        optclip.norm_clip(1.0, axes=-2).update(tree, optax.EmptyState())
+    with pytest.raises(ValueError, match="repeats an axis"):
+        optclip.clip_by_norm(jnp.ones((2, 2)), 1.0, axes=(0, -2))
+    with pytest.raises(TypeError, match="`axes` must be None, an int or a sequence of ints"):
+        optclip.norm_clip(1.0, axes="rows")
+
+
+def test_clipped_takes_at_most_one_clip():
+    with pytest.raises(ValueError, match="at most one of `clipnorm`, `clipvalue` and "
+                                         "`global_clipnorm`, got `clipnorm`, `clipvalue`"):
+        optclip.clipped(optax.sgd(1.0), clipnorm=1.0, clipvalue=1.0)
+
+
+def test_unknown_policy_or_order_lists_the_accepted_values():
+    with pytest.raises(ValueError, match="`nonfinite` must be one of 'propagate', 'zero'; got"):
+        optclip.global_clip(1.0, nonfinite="skip")
+    with pytest.raises(ValueError, match="'propagate', 'zero', 'skip'; got 'ignore'"):
+        optclip.clipped(optax.sgd(1.0), nonfinite="ignore")
+    for bad in (0, -1, "fro", np.nan, True, [2]):
+        with pytest.raises(ValueError, match=r"`ord` must be 1, 2, inf .* or any number p > 0"):
+            optclip.global_norm(jnp.ones(2), ord=bad)
+        with pytest.raises(ValueError, match="`ord` must be"):
+            optclip.global_clip(1.0, ord=bad)
+
+
+def test_axis_name_tree_that_does_not_match():
+    from jax.sharding import PartitionSpec as P
+
+    with pytest.raises(ValueError, match="`axis_name` .* does not match the updates"):
+        optclip.global_norm({"a": jnp.ones(2), "b": jnp.ones(2)}, axis_name={"a": P("x")})
+
+
+def test_traced_axes_under_inject_hyperparams_says_what_to_do():
+    opt = optax.inject_hyperparams(optclip.norm_clip)(max_norm=1.0, axes=0)
+    state = opt.init(jnp.ones((2, 2)))
+    with pytest.raises(TypeError, match=r"static_args=\('axes',\)"):
+        jax.jit(opt.update)(jnp.ones((2, 2)), state)
+    opt = optax.inject_hyperparams(optclip.norm_clip, static_args=("axes",))(max_norm=1.0, axes=0)
+    out, _ = jax.jit(opt.update)(jnp.full((2, 2), 3.0), opt.init(jnp.ones((2, 2))))
+    np.testing.assert_allclose(out, np.full((2, 2), 2**-0.5), rtol=1e-6)

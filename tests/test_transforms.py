@@ -1,0 +1,252 @@
+"""The Optax transformations: the contract over dtypes, state, and composition with Optax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import (
+    as_f64,
+    assert_close,
+    random_leaves,
+    ref_clip_by_average_norm,
+    ref_clip_by_norm,
+    ref_global_norm,
+    ref_scale,
+    run,
+)
+
+import optclip
+
+FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
+
+
+def _tree(dtype, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    a, b, c = random_leaves(rng, [(3, 4), (4,), (2, 1)], np.float32)
+    return {"w": jnp.asarray(a * scale, dtype), "b": jnp.asarray(b * scale, dtype),
+            "s": jnp.asarray(c * scale, dtype)}
+
+
+def _ref_value_clip(tree, v):
+    return [np.clip(as_f64(x), -v, v) for x in jax.tree.leaves(tree)]
+
+
+def _ref_norm_clip(tree, c, axes=None):
+    return [ref_clip_by_norm(x, c, axes) for x in jax.tree.leaves(tree)]
+
+
+def _ref_global_clip(tree, c):
+    leaves = jax.tree.leaves(tree)
+    scale = ref_scale(ref_global_norm(leaves), c)
+    return [as_f64(x) * scale for x in leaves]
+
+
+def _ref_sgd(reference):
+    return lambda tree, c: [-0.1 * x for x in reference(tree, c)]
+
+
+# (factory, float64 reference of the produced updates)
+CONTRACT = {
+    "value_clip": (lambda: optclip.value_clip(0.5), lambda t: _ref_value_clip(t, 0.5)),
+    "norm_clip": (lambda: optclip.norm_clip(1.0), lambda t: _ref_norm_clip(t, 1.0)),
+    "norm_clip_rows": (lambda: optclip.norm_clip(1.0, axes=-1),
+                       lambda t: _ref_norm_clip(t, 1.0, -1)),
+    "average_norm_clip": (lambda: optclip.average_norm_clip(0.1),
+                          lambda t: [ref_clip_by_average_norm(x, 0.1)
+                                     for x in jax.tree.leaves(t)]),
+    "global_clip": (lambda: optclip.global_clip(1.0), lambda t: _ref_global_clip(t, 1.0)),
+    "global_clip_zero": (lambda: optclip.global_clip(1.0, nonfinite="zero"),
+                         lambda t: _ref_global_clip(t, 1.0)),
+    "clipped_clipnorm": (lambda: optclip.clipped(optax.sgd(0.1), clipnorm=1.0),
+                         lambda t: [-0.1 * x for x in _ref_norm_clip(t, 1.0)]),
+    "clipped_clipvalue": (lambda: optclip.clipped(optax.sgd(0.1), clipvalue=0.5),
+                          lambda t: [-0.1 * x for x in _ref_value_clip(t, 0.5)]),
+    "clipped_global": (lambda: optclip.clipped(optax.sgd(0.1), global_clipnorm=1.0,
+                                               nonfinite="skip"),
+                       lambda t: [-0.1 * x for x in _ref_global_clip(t, 1.0)]),
+}
+
+
+@pytest.mark.parametrize("name", CONTRACT)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_contract_every_transform_every_dtype(name, dtype, mode):
+    make, reference = CONTRACT[name]
+    tx = make()
+    params = _tree(dtype, seed=1)
+    updates = _tree(dtype, seed=2, scale=3.0)
+    state = tx.init(params)
+    new_updates, new_state = run(tx.update, mode)(updates, state, params)
+    for out, x, exp in zip(jax.tree.leaves(new_updates), jax.tree.leaves(updates),
+                           reference(updates)):
+        assert out.dtype == x.dtype and out.shape == x.shape
+        assert_close(out, exp, dtype, factor=2.0)
+    # The state keeps its structure, shapes and dtypes from step to step.
+    assert jax.tree.structure(new_state) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
+        assert a.shape == b.shape and a.dtype == b.dtype
+
+
+def test_global_clip_state_records_norm_and_counts():
+    tx = optax.chain(optclip.global_clip(1.0), optax.adam(1e-3))
+    params = {"w": jnp.zeros(2)}
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    for g in ([3.0, 4.0], [0.3, 0.4], [np.inf, 0.0], [6.0, 8.0]):
+        _, state = step({"w": jnp.array(g)}, state, params)
+    assert float(optax.tree.get(state, "global_norm")) == 10.0
+    assert int(optax.tree.get(state, "clip_count")) == 2
+    assert int(optax.tree.get(state, "nonfinite_count")) == 1
+    assert int(state[0].count) == 4
+
+
+def test_global_clip_propagates_nan_by_default_and_zero_policy():
+    bad = {"a": jnp.array([1.0, np.nan]), "b": jnp.ones(2, jnp.bfloat16)}
+    tx = optclip.global_clip(1.0)
+    out, state = tx.update(bad, tx.init(bad))
+    assert all(np.all(np.isnan(as_f64(x))) for x in jax.tree.leaves(out))
+    tx = optclip.global_clip(1.0, nonfinite="zero")
+    out, state = jax.jit(tx.update)(bad, tx.init(bad))
+    assert all(np.all(as_f64(x) == 0) for x in jax.tree.leaves(out))
+    assert out["b"].dtype == jnp.bfloat16
+    assert int(state.nonfinite_count) == 1 and int(state.clip_count) == 0
+
+
+@pytest.mark.parametrize("policy", ["skip", "zero", "propagate"])
+@pytest.mark.parametrize("mode_kw", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0},
+                                     {"clipvalue": 1.0}, {}])
+def test_clipped_nonfinite_policies(policy, mode_kw):
+    opt = optclip.clipped(optax.adam(0.1), nonfinite=policy, **mode_kw)
+    params = {"w": jnp.ones(3)}
+    state = opt.init(params)
+    step = jax.jit(opt.update)
+    _, state = step({"w": jnp.array([0.5, -0.5, 2.0])}, state, params)
+    before = state
+    updates, state = step({"w": jnp.array([np.nan, 1.0, 1.0])}, state, params)
+    inner_after = jax.tree.leaves(state.inner_state)
+    inner_before = jax.tree.leaves(before.inner_state)
+    if policy == "skip":
+        assert np.all(np.asarray(updates["w"]) == 0)
+        for a, b in zip(inner_after, inner_before):  # bit for bit: a true skipped step
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+        assert int(state.skip_count) == 1
+    elif policy == "zero":
+        assert np.all(np.isfinite(np.asarray(updates["w"])))
+        assert int(optax.tree.get(state.inner_state, "count")) == 2  # the optimizer did step
+        assert int(state.skip_count) == 1
+    else:
+        assert np.any(np.isnan(np.asarray(updates["w"])))
+        assert int(state.skip_count) == 0
+    # A finite step afterwards is applied normally.
+    updates, _ = step({"w": jnp.array([0.1, 0.1, 0.1])}, state, params)
+    if policy != "propagate":
+        assert np.all(np.isfinite(np.asarray(updates["w"]))) and np.any(updates["w"] != 0)
+
+
+def test_clipped_matches_keras_semantics():
+    g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, 12.0])}
+    params = jax.tree.map(jnp.zeros_like, g)
+    for kwargs, expected in (
+        ({"clipnorm": 1.0}, {"a": [0.6, 0.8], "b": [0.0, 1.0]}),
+        ({"clipvalue": 1.0}, {"a": [1.0, 1.0], "b": [0.0, 1.0]}),
+        ({"global_clipnorm": 1.0}, {"a": [3 / 13, 4 / 13], "b": [0.0, 12 / 13]}),
+        ({}, {"a": [3.0, 4.0], "b": [0.0, 12.0]}),
+    ):
+        opt = optclip.clipped(optax.sgd(1.0), **kwargs)
+        updates, _ = opt.update(g, opt.init(params), params)
+        for k in g:
+            np.testing.assert_allclose(-np.asarray(updates[k]), expected[k], rtol=1e-6)
+
+
+def test_inject_hyperparams_changes_threshold_without_retracing():
+    traces = []
+    for factory, kwargs in (
+        (optclip.global_clip, {"max_norm": 1.0}),
+        (optclip.norm_clip, {"max_norm": 1.0}),
+        (optclip.average_norm_clip, {"max_norm": 0.5}),
+        (optclip.value_clip, {"clip_value_min": 1.0}),
+    ):
+        opt = optax.inject_hyperparams(factory)(**kwargs)
+        params = jnp.zeros(2)
+        state = opt.init(params)
+
+        def update(u, s, opt=opt, params=params):
+            traces.append(1)
+            return opt.update(u, s, params)
+
+        step = jax.jit(update)
+        first, state = step(jnp.array([3.0, 4.0]), state)
+        name = next(iter(kwargs))
+        state.hyperparams[name] = jnp.asarray(state.hyperparams[name] * 2)
+        second, state = step(jnp.array([3.0, 4.0]), state)
+        assert float(jnp.linalg.norm(second)) > float(jnp.linalg.norm(first))
+    assert len(traces) == 4  # one trace per transform
+
+
+@pytest.mark.parametrize("ord", [2, 1, float("inf"), 3.0])
+def test_inject_hyperparams_with_a_numeric_ord(ord):
+    opt = optax.inject_hyperparams(optclip.global_clip)(max_norm=1.0, ord=ord)
+    x = jnp.array([3.0, -4.0])
+    state = opt.init(x)
+    updates, state = jax.jit(opt.update)(x, state)
+    norm = ref_global_norm([x], float(ord))
+    np.testing.assert_allclose(updates, np.array([3.0, -4.0]) / norm, rtol=1e-6)
+    np.testing.assert_allclose(float(optax.tree.get(state, "global_norm")), norm, rtol=1e-6)
+
+
+def test_schedule_thresholds():
+    schedule = optax.linear_schedule(1.0, 3.0, transition_steps=2)
+    x = jnp.array([30.0, 40.0])
+    for tx in (optclip.global_clip(schedule), optclip.norm_clip(schedule),
+               optclip.average_norm_clip(lambda count: schedule(count) / 2)):
+        state = tx.init(x)
+        step = jax.jit(tx.update)
+        norms = []
+        for _ in range(4):
+            out, state = step(x, state)
+            norms.append(float(jnp.linalg.norm(out)))
+        np.testing.assert_allclose(norms, [1.0, 2.0, 3.0, 3.0], rtol=1e-6)
+
+
+def test_composes_with_masked_and_multi_transform():
+    params = {"w": jnp.zeros(2), "b": jnp.zeros(2)}
+    grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([30.0, 40.0])}
+    tx = optax.masked(optclip.global_clip(1.0), {"w": True, "b": False})
+    out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_array_equal(out["b"], grads["b"])
+    tx = optax.multi_transform({"clip": optclip.global_clip(1.0), "keep": optax.identity()},
+                               {"w": "clip", "b": "keep"})
+    out, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-6)
+    np.testing.assert_array_equal(out["b"], grads["b"])
+    assert float(optax.tree.get(state, "global_norm")) == 5.0
+
+
+def test_training_loop_in_lax_scan_and_grad_through_the_update():
+    opt = optax.chain(optclip.global_clip(0.5), optax.sgd(0.1))
+    target = jnp.array([10.0, -10.0])
+
+    def loss(p):
+        return jnp.sum((p - target) ** 2)
+
+    def train(p0):
+        def body(carry, _):
+            p, s = carry
+            g = jax.grad(loss)(p)
+            u, s = opt.update(g, s, p)
+            return (optax.apply_updates(p, u), s), optax.tree.get(s, "global_norm")
+
+        (p, s), norms = jax.lax.scan(body, (p0, opt.init(p0)), length=20)
+        return p, s, norms
+
+    p, state, norms = jax.jit(train)(jnp.zeros(2))
+    assert norms.shape == (20,) and int(state[0].clip_count) == 20
+    np.testing.assert_allclose(p, [0.05 * 20 / np.sqrt(2), -0.05 * 20 / np.sqrt(2)], rtol=1e-5)
+    # Meta-gradient through the whole loop (and through zero gradients) is finite.
+    meta = jax.grad(lambda p0: jnp.sum(train(p0)[0]))(jnp.zeros(2))
+    assert np.all(np.isfinite(np.asarray(meta)))
+    # Zero gradients all along: the clip is the identity, so each SGD step multiplies the
+    # deviation from the target by 1 - 0.1 * 2.
+    meta = jax.grad(lambda p0: jnp.sum(train(p0)[0]))(target)
+    np.testing.assert_allclose(meta, [0.8**20, 0.8**20], rtol=1e-5)
