@@ -1,0 +1,147 @@
+"""One process of a ``jax.distributed`` run, started by ``tests/test_multidevice.py``.
+
+Usage (one command per process, each with 2 CPU devices)::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
+        python tests/_workers/distributed.py PROCESS_ID NUM_PROCESSES PORT
+
+The processes join over 127.0.0.1:PORT with gloo CPU collectives and build the same global
+gradients from one seed, sharded over a ("data", "model") mesh of every process's devices. Each
+process checks the shards it holds against the float64 NumPy reference of the whole global data
+(an element of a sharded result is right only if the norm was reduced over every process), and
+prints ``RESULT <json>`` as the last line of stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import sys
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optclip
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from multidevice import (  # noqa: E402  (the helpers and references of the one-process checks)
+    RESULTS,
+    check_hlo,
+    group,
+    mixed_tree,
+    record,
+    ref_clip,
+    ref_norm,
+    ref_sgd_step,
+    rel_err,
+)
+
+
+def global_array(x, mesh, spec):
+    """The global array `x` (the same NumPy data in every process), each process placing its
+    own shards."""
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+def check_shards(name, got, want, rtol=1e-5):
+    """Every shard this process holds equals the matching block of the float64 reference."""
+    errors, count = [], 0
+    for leaf, ref in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        ref = np.asarray(ref, np.float64)
+        for shard in leaf.addressable_shards:
+            errors.append(rel_err(np.asarray(shard.data), ref[shard.index]))
+            count += 1
+    same = len(jax.tree.leaves(got)) == len(jax.tree.leaves(want))
+    error = max(errors, default=math.inf)
+    record(name, same and error <= rtol, error, note=f"{count} local shards")
+
+
+def run_checks(mesh):
+    rng = np.random.default_rng(11)
+    grads, specs = mixed_tree(rng)
+    params, _ = mixed_tree(rng)
+
+    def shard(tree):
+        return jax.tree.map(lambda x, s: global_array(x, mesh, s), tree, specs)
+
+    g, x = shard(grads), shard(params)
+    values = {}
+
+    norm_fn = jax.jit(optclip.global_norm, static_argnames="ord")
+    for p in (2.0, 1.0, math.inf):
+        norm = norm_fn(g, ord=p)
+        values[f"global_norm/ord={p}"] = float(norm.addressable_data(0))
+        check_shards(f"distributed/jit/global_norm/ord={p}", norm, ref_norm(grads, p))
+
+    clipped, norm = jax.jit(optclip.clip_by_global_norm)(g, 1.0)
+    want, want_norm = ref_clip(grads, 1.0)
+    check_shards("distributed/jit/clip_by_global_norm/tree", clipped, want)
+    check_shards("distributed/jit/clip_by_global_norm/norm", norm, want_norm)
+
+    # The training step of the issue: optax.chain(global_clip, optimizer) under jit.
+    opt = optax.chain(optclip.global_clip(1.0), optax.sgd(0.1, momentum=0.9))
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = opt.init(x)
+    new_params, state = step(x, state, g)
+    new_params, state = step(new_params, state, g)  # a second step: momentum and the count
+    clipped_ref, _ = ref_clip(grads, 1.0)
+    # sgd with momentum 0.9: after two equal gradients the parameters move by 0.1 * (1 + 1.9).
+    want_params = jax.tree.map(lambda p, c: np.float64(p) - 0.1 * 2.9 * c, params, clipped_ref)
+    check_shards("distributed/global_clip_step/params", new_params, want_params)
+    step_norm = optax.tree.get(state, "global_norm")
+    check_shards("distributed/global_clip_step/norm", step_norm, want_norm)
+    values["global_clip_step/norm"] = float(step_norm.addressable_data(0))
+    check_hlo("distributed/hlo/global_clip_step",
+              step.lower(x, opt.init(x), g).compile().as_text())
+
+    # shard_map with shard_map's own in_specs as axis_name, across the processes.
+    sgd = optax.chain(optclip.global_clip(1.0, axis_name=specs), optax.sgd(0.1))
+
+    def local_step(params, grads):
+        updates, state = sgd.update(grads, sgd.init(params), params)
+        return optax.apply_updates(params, updates), optax.tree.get(state, "global_norm")
+
+    smap_step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, specs),
+                                      out_specs=(specs, P())))
+    new_params, norm = smap_step(x, g)
+    want_params, _ = ref_sgd_step(params, grads, 1.0, 0.1)
+    check_shards("distributed/shard_map/params", new_params, want_params)
+    check_shards("distributed/shard_map/norm", norm, want_norm)
+    values["shard_map/norm"] = float(norm.addressable_data(0))
+    return values
+
+
+def main():
+    process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    values = {}
+    try:
+        record("distributed/topology",
+               jax.process_count() == num_processes and jax.local_device_count() == 2,
+               note=f"{jax.process_count()} processes, {jax.device_count()} devices")
+        mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
+        with group("distributed"):
+            values = run_checks(mesh)
+    finally:
+        print("RESULT " + json.dumps({"results": RESULTS, "values": values}), flush=True)
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,478 @@
+"""Multi-device checks, run in a subprocess by ``tests/test_multidevice.py``.
+
+Needs 8 devices, so JAX must start with them::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_workers/multidevice.py
+
+Every check compares a result with the float64 NumPy reference of the same global data
+(``tests/reference.py``) and is recorded under a name whose first part (before ``/``) is the
+group the test asserts on. The last line of stdout is ``RESULT <json>``: for each check, whether
+it passed, its largest relative error and, if it raised, the error. Running all the checks in
+one process pays JAX's start-up once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import pathlib
+import re
+import sys
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import optclip
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import reference  # noqa: E402  (tests/reference.py: the float64 references)
+
+RTOL = 1e-5
+RESULTS: dict[str, dict] = {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Recording results.
+
+
+@contextlib.contextmanager
+def group(name):
+    """Records an exception raised by the checks inside as a failed check `name`/error."""
+    try:
+        yield
+    except Exception:  # noqa: BLE001 - every failure is reported, the other groups still run.
+        RESULTS[f"{name}/error"] = {"ok": False, "error": traceback.format_exc()[-3000:]}
+
+
+def record(name, ok, error=0.0, note=None):
+    RESULTS[name] = {"ok": bool(ok), "max_rel_err": float(error), "note": note}
+
+
+def rel_err(got, want) -> float:
+    got, want = reference.as_f64(got), reference.as_f64(want)
+    if got.shape != want.shape:
+        return math.inf
+    if np.array_equal(np.isnan(got), np.isnan(want)) and not np.isnan(want).all():
+        mask = ~np.isnan(want)
+        got, want = got[mask], want[mask]
+    elif np.isnan(want).all():
+        return 0.0 if np.isnan(got).all() else math.inf
+    diff = np.abs(got - want)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        rel = np.where(diff == 0, 0.0, diff / np.abs(want))
+    return float(np.max(rel, initial=0.0))
+
+
+def check(name, got, want, rtol=RTOL):
+    """`got` (a tree) equals `want` (a tree of float64 arrays) to `rtol`, leaf by leaf."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        record(name, False, math.inf, f"{len(got_leaves)} leaves, want {len(want_leaves)}")
+        return
+    error = max((rel_err(g, w) for g, w in zip(got_leaves, want_leaves)), default=0.0)
+    record(name, error <= rtol, error)
+
+
+def check_dtypes(name, got, like):
+    same = [np.dtype(a.dtype) == np.dtype(b.dtype)
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(like))]
+    record(name, all(same) and len(same) == len(jax.tree.leaves(like)))
+
+
+# ----------------------------------------------------------------------------------------------
+# References.
+
+
+def ref_norm(tree, p=2.0) -> float:
+    return reference.ref_global_norm(jax.tree.leaves(tree), p)
+
+
+def ref_clip(tree, max_norm, p=2.0):
+    """``(clipped tree, norm)`` in float64."""
+    norm = ref_norm(tree, p)
+    scale = reference.ref_scale(norm, max_norm)
+    return jax.tree.map(lambda x: reference.as_f64(x) * scale, tree), norm
+
+
+def ref_sgd_step(params, grads, max_norm, lr):
+    clipped, norm = ref_clip(grads, max_norm)
+    return jax.tree.map(lambda p, g: reference.as_f64(p) - lr * g, params, clipped), norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: tiny trees mixing leaves split over one axis, two axes, and replicated ones.
+
+
+def mixed_tree(rng, dtype=np.float32):
+    """Gradients and their `PartitionSpec`s on a ("data"=4, "model"=2) mesh."""
+
+    def leaf(*shape):
+        return (10.0 ** rng.uniform(-1, 1) * rng.standard_normal(shape)).astype(dtype)
+
+    tree = {
+        "both": leaf(8, 3),  # split over data and model together
+        "data": leaf(4, 6),  # split over one axis of the 2-D mesh
+        "model": leaf(5, 4),  # split over the other one, first dimension replicated
+        "grid": leaf(4, 2),  # split over data on one dimension, model on the other
+        "bias": leaf(3),  # replicated
+        "scalar": leaf(),  # replicated
+        "small": [leaf(8) for _ in range(3)],  # same shape and spec: stacked together
+        "tiny": [leaf(2) for _ in range(3)],  # replicated and stacked
+    }
+    specs = {
+        "both": P(("data", "model")),
+        "data": P("data", None),
+        "model": P(None, "model"),
+        "grid": P("data", "model"),
+        "bias": P(),
+        "scalar": P(),
+        "small": [P("data")] * 3,
+        "tiny": [P()] * 3,
+    }
+    return tree, specs
+
+
+def put(tree, specs, mesh):
+    shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    return jax.device_put(tree, shardings)
+
+
+def mesh_2d(axis_types=None):
+    kwargs = {} if axis_types is None else {"axis_types": (axis_types,) * 2}
+    return jax.make_mesh((4, 2), ("data", "model"), **kwargs)
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. jit over sharded arrays: no axis_name, no code change.
+
+
+def hlo_collectives(text):
+    """(shapes of the results of every all-reduce, number of all-gathers) in compiled HLO."""
+    shapes = []
+    for line in text.splitlines():
+        match = re.search(r"=\s*(.*?)\s+all-reduce(?:-start)?\(", line)
+        if match:
+            shapes.append(match.group(1))
+    gathers = len(re.findall(r"\ball-gather(?:-start)?\(", text))
+    return shapes, gathers
+
+
+def check_hlo(name, compiled_text):
+    """The program all-reduces scalars only and all-gathers nothing."""
+    shapes, gathers = hlo_collectives(compiled_text)
+    dims = [d for s in shapes for d in re.findall(r"\[([^\]]*)\]", s)]
+    scalar_only = bool(shapes) and all(d == "" for d in dims)
+    record(name, scalar_only and gathers == 0, note=f"all-reduce {shapes}, all-gather {gathers}")
+
+
+def jit_checks(kind, axis_types):
+    rng = np.random.default_rng(1)
+    mesh = mesh_2d(axis_types)
+    grads, specs = mixed_tree(rng)
+    params, _ = mixed_tree(rng)
+    g = put(grads, specs, mesh)
+    x = put(params, specs, mesh)
+
+    norm_fn = jax.jit(optclip.global_norm, static_argnames="ord")
+    for p in (2.0, 1.0, math.inf, 3.0):
+        check(f"jit-{kind}/global_norm/ord={p}", norm_fn(g, ord=p), ref_norm(grads, p))
+
+    clip_fn = jax.jit(optclip.clip_by_global_norm)
+    clipped, norm = clip_fn(g, 1.0)
+    want, want_norm = ref_clip(grads, 1.0)
+    check(f"jit-{kind}/clip_by_global_norm/tree", clipped, want)
+    check(f"jit-{kind}/clip_by_global_norm/norm", norm, want_norm)
+
+    opt = optax.chain(optclip.global_clip(1.0), optax.sgd(0.1))
+
+    @jax.jit
+    def step(params, state, grads):
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    new_params, state = step(x, opt.init(x), g)
+    want_params, want_norm = ref_sgd_step(params, grads, 1.0, 0.1)
+    check(f"jit-{kind}/global_clip_step/params", new_params, want_params)
+    check(f"jit-{kind}/global_clip_step/norm", optax.tree.get(state, "global_norm"), want_norm)
+    kept = jax.tree.map(
+        lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim), new_params, specs
+    )
+    record(f"jit-{kind}/global_clip_step/shardings_kept", all(jax.tree.leaves(kept)),
+           note=str(jax.tree.map(lambda a: str(a.sharding.spec), new_params)))
+
+    # Adam's state is sharded like the parameters; the sharded run equals one device's.
+    adam = optax.chain(optclip.global_clip(1.0), optax.adam(0.1))
+
+    def adam_step(params, grads):
+        state = adam.init(params)
+        for _ in range(2):
+            updates, state = adam.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+        return params, optax.tree.get(state, "global_norm")
+
+    with jax.numpy_dtype_promotion("standard"):  # optax.adam mixes Python floats and int32
+        sharded = jax.jit(adam_step)(x, g)
+        one_device = jax.jit(adam_step)(*jax.device_put((params, grads), jax.devices()[0]))
+    check(f"jit-{kind}/adam_step/equals_one_device", sharded, one_device)
+
+    check_hlo(f"hlo/{kind}/global_norm", norm_fn.lower(g).compile().as_text())
+    check_hlo(f"hlo/{kind}/clip_by_global_norm", clip_fn.lower(g, 1.0).compile().as_text())
+    check_hlo(f"hlo/{kind}/global_clip_step", step.lower(x, opt.init(x), g).compile().as_text())
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. shard_map and pmap with axis_name.
+
+
+def smap(fn, mesh, in_specs, out_specs, check_vma=True):
+    return jax.jit(
+        jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=check_vma)
+    )
+
+
+def shard_map_clip_checks(name, tree, specs, axis_name, mesh, max_norm=1.0, rtol=RTOL):
+    """global_norm, clip_by_global_norm and global_clip in a chain, inside one shard_map."""
+    opt = optax.chain(optclip.global_clip(max_norm, axis_name=axis_name), optax.sgd(0.1))
+
+    def local(params, grads):
+        norm = optclip.global_norm(grads, axis_name=axis_name)
+        clipped, clip_norm = optclip.clip_by_global_norm(grads, max_norm, axis_name=axis_name)
+        updates, state = opt.update(grads, opt.init(params), params)
+        new_params = optax.apply_updates(params, updates)
+        return norm, clipped, clip_norm, new_params, optax.tree.get(state, "global_norm")
+
+    params = jax.tree.map(lambda x: np.ones_like(x), tree)
+    norm, clipped, clip_norm, new_params, step_norm = smap(
+        local, mesh, (specs, specs), (P(), specs, P(), specs, P())
+    )(put(params, specs, mesh), put(tree, specs, mesh))
+
+    want, want_norm = ref_clip(tree, max_norm)
+    want_params, _ = ref_sgd_step(params, tree, max_norm, 0.1)
+    tol = max(rtol, *(reference.rtol_for(x.dtype) for x in jax.tree.leaves(tree)))
+    check(f"{name}/global_norm", norm, want_norm, rtol)
+    check(f"{name}/clip_by_global_norm/norm", clip_norm, want_norm, rtol)
+    check(f"{name}/clip_by_global_norm/tree", clipped, want, tol)
+    check_dtypes(f"{name}/clip_by_global_norm/dtypes", clipped, tree)
+    check(f"{name}/global_clip_step/norm", step_norm, want_norm, rtol)
+    check(f"{name}/global_clip_step/params", new_params, want_params, tol)
+
+
+def spec_names(spec):
+    """The axis names of a `PartitionSpec` as `axis_name` takes them: None, a name or a tuple."""
+    axes = tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
+def shard_map_checks():
+    rng = np.random.default_rng(2)
+    mesh = mesh_2d()
+
+    # A name: every leaf split over "data" of a 1-D mesh.
+    mesh_1d = jax.make_mesh((8,), ("data",))
+    tree = {"w": rng.standard_normal((8, 3)).astype(np.float32),
+            "b": rng.standard_normal((16,)).astype(np.float32)}
+    specs = {"w": P("data"), "b": P("data")}
+    shard_map_clip_checks("shard_map-str", tree, specs, "data", mesh_1d)
+
+    # A tuple of names: every leaf split over both axes.
+    specs = {"w": P(("data", "model")), "b": P(("data", "model"))}
+    shard_map_clip_checks("shard_map-tuple", tree, specs, ("data", "model"), mesh)
+
+    # shard_map's own in_specs: a pytree of PartitionSpecs, sharded and replicated mixed.
+    tree, specs = mixed_tree(rng)
+    shard_map_clip_checks("shard_map-specs", tree, specs, specs, mesh)
+
+    # The same on a mesh with automatic axis types.
+    shard_map_clip_checks("shard_map-specs-auto", tree, specs, specs, mesh_2d(AxisType.Auto))
+
+    # A pytree of names: a name, a tuple of names, or None for a replicated leaf.
+    names = jax.tree.map(spec_names, specs)
+    shard_map_clip_checks("shard_map-names", tree, specs, names, mesh)
+
+    # A prefix of the updates, as shard_map's in_specs may be: one spec for a whole subtree.
+    prefix_tree = {
+        "layer": {"w": rng.standard_normal((8, 4)).astype(np.float32),
+                  "b": rng.standard_normal((8,)).astype(np.float32)},
+        "head": {"w": rng.standard_normal((4, 2)).astype(np.float32),
+                 "b": rng.standard_normal((2,)).astype(np.float32)},
+    }
+    prefix = {"layer": P("data"), "head": P()}
+    shard_map_clip_checks("shard_map-prefix", prefix_tree, prefix, prefix, mesh)
+
+    # A list of PartitionSpecs for a list of updates (list nodes in `axis_name`).
+    leaves = [rng.standard_normal((8, 2)).astype(np.float32),
+              rng.standard_normal((3,)).astype(np.float32)]
+    list_specs = [P(("data", "model")), P()]
+    shard_map_clip_checks("shard_map-list", leaves, list_specs, list_specs, mesh)
+
+    # None in in_specs (an input shard_map does not split) on an automatic mesh.
+    auto = mesh_2d(AxisType.Auto)
+    none_specs = [P("data"), None]
+    g = [jax.device_put(leaves[0], NamedSharding(auto, P("data"))), leaves[1]]
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=none_specs), auto,
+                (none_specs,), P())(g)
+    check("shard_map-none/global_norm", norm, ref_norm(leaves))
+
+    # Without check_vma the reductions are the same.
+    g = put(tree, specs, mesh)
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P(),
+                check_vma=False)(g)
+    check("shard_map-specs/no_check_vma", norm, ref_norm(tree))
+
+    # Other orders: partial sums psum-ed, or the largest magnitude pmax-ed.
+    for p in (1.0, math.inf, 3.0):
+        norm = smap(lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs),
+                    mesh, (specs,), P())(g)
+        check(f"shard_map-ord/global_norm/ord={p}", norm, ref_norm(tree, p))
+        opt = optclip.global_clip(1.0, ord=p, axis_name=specs)
+        clipped = smap(lambda t, opt=opt: opt.update(t, opt.init(t))[0], mesh, (specs,), specs)(g)
+        check(f"shard_map-ord/global_clip/ord={p}", clipped, ref_clip(tree, 1.0, p)[0])
+
+    check_hlo(
+        "hlo/shard_map/clip_by_global_norm",
+        smap(lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs), mesh,
+             (specs,), (specs, P())).lower(g).compile().as_text(),
+    )
+
+    # Optax inside shard_map clips every device by its own local norm; optclip does not.
+    want, _ = ref_clip(tree, 1.0)
+    optax_tx = optax.clip_by_global_norm(1.0)
+    optax_clipped = smap(lambda t: optax_tx.update(t, optax_tx.init(t))[0], mesh, (specs,),
+                         specs, check_vma=False)(g)
+    error = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(optax_clipped),
+                                               jax.tree.leaves(want)))
+    local_norms = smap(lambda t: optax.global_norm(t)[None], mesh, (specs,),
+                       P(("data", "model")), check_vma=False)(g)
+    record("shard_map-optax-differs/optax_is_wrong", error > 1e-2, error,
+           note=f"optax's per-device norms {np.round(np.asarray(local_norms), 4).tolist()}, "
+                f"true norm {ref_norm(tree):.4f}")
+    record("shard_map-optax-differs/per_device_norms_differ",
+           np.ptp(np.asarray(local_norms)) > 1e-3
+           and not np.allclose(np.asarray(local_norms), ref_norm(tree), rtol=1e-2))
+    tx = optclip.global_clip(1.0, axis_name=specs)
+    ours = smap(lambda t: tx.update(t, tx.init(t))[0], mesh, (specs,), specs)(g)
+    check("shard_map-optax-differs/optclip_is_right", ours, want)
+
+
+def low_precision_checks():
+    """float16 leaves whose squares overflow float16 and bfloat16 leaves, inside shard_map."""
+    rng = np.random.default_rng(3)
+    mesh = mesh_2d()
+    tree = {
+        "f16": (300.0 * rng.standard_normal((8, 16))).astype(np.float16),
+        "f16_rep": (500.0 * rng.standard_normal((5,))).astype(np.float16),
+        "bf16": rng.standard_normal((16, 4)).astype(jnp.bfloat16),
+        "bf16_rep": rng.standard_normal((3,)).astype(jnp.bfloat16),
+        "f32": rng.standard_normal((4, 2)).astype(np.float32),
+    }
+    specs = {"f16": P(("data", "model")), "f16_rep": P(), "bf16": P("data", "model"),
+             "bf16_rep": P(), "f32": P("data")}
+    shard_map_clip_checks("shard_map-lowp", tree, specs, specs, mesh, max_norm=100.0)
+    # The float16 leaves alone: their sum of squares is far beyond float16's range.
+    f16 = {"f16": tree["f16"], "f16_rep": tree["f16_rep"]}
+    f16_specs = {"f16": specs["f16"], "f16_rep": P()}
+    shard_map_clip_checks("shard_map-lowp-f16", f16, f16_specs, f16_specs, mesh, max_norm=10.0)
+
+
+def overflow_checks():
+    """Squares that overflow or underflow float32: the rescaled fallback, pmax of the largest."""
+    rng = np.random.default_rng(4)
+    mesh = mesh_2d()
+    specs = {"big": P(("data", "model")), "rep": P(), "one": P("data")}
+    one = rng.standard_normal((8,)).astype(np.float32)
+    one[5] = 4e20  # on one device only: the predicate is on the all-reduced total
+    huge = {
+        "big": (1e20 * rng.standard_normal((16, 2))).astype(np.float32),
+        "rep": (3e19 * rng.standard_normal((3,))).astype(np.float32),
+        "one": one,
+    }
+    shard_map_clip_checks("shard_map-overflow-big", huge, specs, specs, mesh, max_norm=1e20)
+    small = jax.tree.map(lambda x: (x * 1e-40).astype(np.float32), huge)
+    small["one"] = (rng.standard_normal((8,)) * 1e-25).astype(np.float32)
+    shard_map_clip_checks("shard_map-overflow-tiny", small, specs, specs, mesh, max_norm=1e-30)
+    g = put(huge, specs, mesh)
+    for p in (1.0, 3.0):
+        norm = smap(lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs),
+                    mesh, (specs,), P())(g)
+        check(f"shard_map-overflow-ord/ord={p}", norm, ref_norm(huge, p))
+    # A norm beyond float32's range is inf, and a non-finite norm makes every leaf NaN.
+    beyond = dict(huge, big=np.full((16, 2), 3e38, np.float32))
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P())(
+        put(beyond, specs, mesh))
+    record("shard_map-overflow-inf/norm_is_inf", np.isinf(np.asarray(norm)))
+    with_inf = dict(huge, one=np.where(np.arange(8) == 2, np.inf, one).astype(np.float32))
+    clipped, norm = smap(lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs),
+                         mesh, (specs,), (specs, P()))(put(with_inf, specs, mesh))
+    record("shard_map-overflow-inf/nonfinite_all_nan",
+           np.isinf(np.asarray(norm))
+           and all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(clipped)))
+
+
+def pmap_checks():
+    """pmap: a name for leaves with one piece per device, a pytree with None for replicated."""
+    rng = np.random.default_rng(5)
+    n = jax.device_count()
+    split = {"w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+             "b": rng.standard_normal((n, 4)).astype(np.float32)}
+    rep = {"c": rng.standard_normal((5,)).astype(np.float32)}
+    tree = {**split, **rep}
+    want, want_norm = ref_clip(tree, 1.0)
+
+    f = jax.pmap(lambda t: optclip.global_norm(t, axis_name="i"), axis_name="i")
+    check("pmap/str/global_norm", f(split), np.full(n, ref_norm(split)))
+    f = jax.pmap(lambda t: optclip.global_norm(t, axis_name=("i",)), axis_name="i")
+    check("pmap/tuple/global_norm", f(split), np.full(n, ref_norm(split)))
+
+    names = {"w": "i", "b": "i", "c": None}
+
+    def clip(s, r):
+        return optclip.clip_by_global_norm({**s, **r}, 1.0, axis_name=names)
+
+    clipped, norm = jax.pmap(clip, axis_name="i", in_axes=(0, None))(split, rep)
+    check("pmap/pytree/norm", norm, np.full(n, want_norm))
+    check("pmap/pytree/split_leaves", {k: clipped[k] for k in split},
+          {k: want[k] for k in split})
+    check("pmap/pytree/replicated_leaf", clipped["c"], np.broadcast_to(want["c"], (n, 5)))
+
+    opt = optax.chain(optclip.global_clip(1.0, axis_name=names), optax.sgd(0.1))
+
+    def step(s, r):
+        grads = {**s, **r}
+        params = jax.tree.map(jnp.ones_like, grads)
+        updates, state = opt.update(grads, opt.init(params), params)
+        return optax.apply_updates(params, updates), optax.tree.get(state, "global_norm")
+
+    new_params, norm = jax.pmap(step, axis_name="i", in_axes=(0, None))(split, rep)
+    want_params, _ = ref_sgd_step(jax.tree.map(np.ones_like, tree), tree, 1.0, 0.1)
+    check("pmap/global_clip_step/norm", norm, np.full(n, want_norm))
+    check("pmap/global_clip_step/params", {k: new_params[k] for k in split},
+          {k: want_params[k] for k in split})
+
+
+def main():
+    jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
+    if jax.device_count() != 8:
+        sys.exit("Needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
+    with group("jit-explicit"):
+        jit_checks("explicit", None)
+    with group("jit-auto"):
+        jit_checks("auto", AxisType.Auto)
+    with group("shard_map"):
+        shard_map_checks()
+    with group("shard_map-lowp"):
+        low_precision_checks()
+    with group("shard_map-overflow"):
+        overflow_checks()
+    with group("pmap"):
+        pmap_checks()
+    print("RESULT " + json.dumps(RESULTS))
+
+
+if __name__ == "__main__":
+    main()

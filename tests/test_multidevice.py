@@ -1,0 +1,177 @@
+"""Multi-device and multi-process clipping (SPEC Part B, "Multi-device").
+
+JAX fixes its device count when it starts, and the other tests expect the default single CPU
+device, so the checks run in subprocesses (``tests/_workers/``), each starting JAX once and
+running many checks; every check compares a result with the float64 NumPy reference of the same
+global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding):
+
+* ``multidevice.py``, 8 CPU devices: jit over ``NamedSharding`` arrays on explicit and automatic
+  meshes (and the compiled HLO: scalar all-reduces, no all-gather); ``axis_name`` inside
+  ``shard_map`` and ``pmap`` in every accepted form; float16/bfloat16, overflow and underflow,
+  ``ord``; and optax's own clip inside ``shard_map`` using each device's local norm.
+* ``distributed.py``, 2 processes x 2 CPU devices joined by ``jax.distributed`` over 127.0.0.1
+  (gloo collectives): a sharded gradient tree clipped inside a jitted
+  ``optax.chain(global_clip(...), optimizer)`` step, every process checked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+WORKERS = pathlib.Path(__file__).resolve().parent / "_workers"
+TIMEOUT_S = 240  # per subprocess; the whole file takes well under a minute on 2 cores
+
+MULTIDEVICE_GROUPS = [
+    "jit-explicit",
+    "jit-auto",
+    "hlo",
+    "shard_map-str",
+    "shard_map-tuple",
+    "shard_map-specs",
+    "shard_map-specs-auto",
+    "shard_map-names",
+    "shard_map-prefix",
+    "shard_map-list",
+    "shard_map-none",
+    "shard_map-ord",
+    "shard_map-lowp",
+    "shard_map-lowp-f16",
+    "shard_map-overflow-big",
+    "shard_map-overflow-tiny",
+    "shard_map-overflow-ord",
+    "shard_map-overflow-inf",
+    "shard_map-optax-differs",
+    "pmap",
+]
+
+
+def _env(devices: int) -> dict:
+    """This environment with JAX on `devices` CPU devices."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    # jax.distributed's coordinator speaks gRPC, which would honour a proxy even for 127.0.0.1.
+    for name in ("no_proxy", "NO_PROXY"):
+        env[name] = ",".join(filter(None, [env.get(name), "127.0.0.1", "localhost"]))
+    return env
+
+
+def _result(stdout: str):
+    """The JSON a worker printed after ``RESULT``, or None."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _failures(results: dict, prefix: str = "") -> dict:
+    return {name: r for name, r in results.items() if name.startswith(prefix) and not r["ok"]}
+
+
+@pytest.fixture(scope="module")
+def multidevice():
+    """Results of every check in one 8-device process."""
+    proc = subprocess.run(
+        [sys.executable, str(WORKERS / "multidevice.py")],
+        env=_env(8), capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    results = _result(proc.stdout)
+    assert proc.returncode == 0 and results is not None, proc.stderr[-5000:]
+    return results
+
+
+def _run_distributed(num_processes: int, tmp_path: pathlib.Path):
+    """Starts the processes, waits for all of them (bounded), and always reaps them."""
+    port = _free_port()
+    procs, logs = [], []
+    try:
+        for rank in range(num_processes):
+            out = open(tmp_path / f"p{rank}.out", "w+")
+            err = open(tmp_path / f"p{rank}.err", "w+")
+            logs.append((out, err))
+            procs.append(subprocess.Popen(
+                [sys.executable, str(WORKERS / "distributed.py"), str(rank),
+                 str(num_processes), str(port)],
+                env=_env(2), stdout=out, stderr=err, text=True,
+            ))
+        deadline = time.monotonic() + TIMEOUT_S
+        for proc in procs:
+            proc.wait(timeout=max(deadline - time.monotonic(), 1))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    outputs = []
+    for proc, (out, err) in zip(procs, logs):
+        out.seek(0)
+        err.seek(0)
+        outputs.append((proc.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def distributed(tmp_path_factory):
+    """Each process's results, from 2 processes x 2 CPU devices joined by jax.distributed."""
+    for attempt in range(2):  # a second try only if the free port was taken meanwhile
+        outputs = _run_distributed(2, tmp_path_factory.mktemp(f"distributed{attempt}"))
+        results = [_result(stdout) for _, stdout, _ in outputs]
+        if all(r is not None for r in results):
+            break
+    report = "\n\n".join(f"process {i}: rc {rc}\n{err[-3000:]}"
+                         for i, (rc, _, err) in enumerate(outputs))
+    assert all(rc == 0 for rc, _, _ in outputs), report
+    assert all(r is not None for r in results), report
+    return results
+
+
+def test_multidevice_checks_all_ran(multidevice):
+    errors = {name: r["error"] for name, r in multidevice.items() if name.endswith("/error")}
+    assert not errors, "\n".join(f"{name}:\n{error}" for name, error in errors.items())
+    groups = {name.split("/")[0] for name in multidevice}
+    assert groups == set(MULTIDEVICE_GROUPS)
+
+
+@pytest.mark.parametrize("group", MULTIDEVICE_GROUPS)
+def test_multidevice_equals_float64_reference(multidevice, group):
+    checks = [name for name in multidevice if name.split("/")[0] == group]
+    assert checks, f"no check of group {group} ran"
+    assert not _failures(multidevice, group + "/")
+
+
+def test_hlo_all_reduces_scalars_and_gathers_nothing(multidevice):
+    hlo = {name: r for name, r in multidevice.items() if name.startswith("hlo/")}
+    assert len(hlo) >= 7 and all(r["ok"] for r in hlo.values()), hlo
+
+
+def test_optax_clips_each_device_by_its_local_norm_and_optclip_does_not(multidevice):
+    assert multidevice["shard_map-optax-differs/optax_is_wrong"]["ok"]
+    assert multidevice["shard_map-optax-differs/per_device_norms_differ"]["ok"]
+    assert multidevice["shard_map-optax-differs/optclip_is_right"]["ok"]
+
+
+def test_jax_distributed_two_processes(distributed):
+    for rank, out in enumerate(distributed):
+        failures = _failures(out["results"])
+        assert not failures, f"process {rank}: {failures}"
+        assert len(out["results"]) >= 10 and out["values"]
+    # Every process sees the same global norm, bit for bit.
+    assert distributed[0]["values"] == distributed[1]["values"]
