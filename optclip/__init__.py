@@ -5,6 +5,9 @@ with exact float32 accumulation, the norm kept in the optimizer state, and multi
 reductions.
 """
 
+from optclip._adaptive import agc as agc
+from optclip._adaptive import autoclip as autoclip
+from optclip._adaptive import zclip as zclip
 from optclip._functional import clip_by_average_norm as clip_by_average_norm
 from optclip._functional import clip_by_global_norm as clip_by_global_norm
 from optclip._functional import clip_by_norm as clip_by_norm
@@ -25,6 +28,8 @@ __all__ = [
     "ClippedState",
     "GlobalClipState",
     "ScheduleState",
+    "agc",
+    "autoclip",
     "average_norm_clip",
     "clip_by_average_norm",
     "clip_by_global_norm",
@@ -35,4 +40,5 @@ __all__ = [
     "global_norm",
     "norm_clip",
     "value_clip",
+    "zclip",
 ]

@@ -80,11 +80,27 @@ def _parts(x):
     return (x.astype(acc),)
 
 
-def magnitude_power(x, p, scale=None):
-    """``|x / scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for complex)."""
+def power_of_two_scale(m):
+    """A power of two within a factor 2 of ``m > 0`` (1 for zero or non-finite ``m``), and its
+    reciprocal; both are normal numbers, so scaling by them is exact.
+
+    (Dividing by ``m`` itself is not safe: XLA may multiply by ``1 / m``, which for ``m > 2**126``
+    is subnormal and flushed to zero.)
+    """
+    info = jnp.finfo(m.dtype)
+    _, exponent = jnp.frexp(m)
+    exponent = jnp.clip(exponent, info.minexp, info.maxexp - 2)
+    exponent = jnp.where((m > 0) & (m < jnp.inf), exponent, 0)
+    one = jnp.ones_like(m)
+    return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
+
+
+def magnitude_power(x, p, inverse_scale=None):
+    """``|x * inverse_scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for
+    complex)."""
     parts = _parts(x)
-    if scale is not None:
-        parts = tuple(c / scale.astype(c.dtype) for c in parts)
+    if inverse_scale is not None:
+        parts = tuple(c * inverse_scale.astype(c.dtype) for c in parts)
     if len(parts) == 2:
         square = parts[0] * parts[0] + parts[1] * parts[1]
         if _is_static(p) and p == 2.0:
@@ -132,8 +148,9 @@ def _needs_rescale(total, p, zero_is_exact: bool):
 def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_exact: bool):
     """The norm from a plain sum of powers, or, if that sum lost it, from a rescaled one.
 
-    `largest()` gives the largest magnitude (the scale) and `rescaled_total(scale)` the sum of
-    ``|x / scale| ** p``; both are only evaluated when the plain sum overflowed or underflowed.
+    `largest()` gives the largest magnitude and `rescaled_total(inverse_scale)` the sum of
+    ``|x * inverse_scale| ** p``; both are only evaluated when the plain sum overflowed or
+    underflowed.
     """
 
     def plain():
@@ -143,11 +160,15 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_ex
         m = largest()
         # The norm does not depend on the scale, so no gradient flows through it (its
         # derivative would divide by scale**2, which overflows).
-        scale = lax.stop_gradient(jnp.where((m > 0) & (m < jnp.inf), m, 1))
-        norm = scale * _root(rescaled_total(scale), p)
+        scale, inverse = lax.stop_gradient(power_of_two_scale(m))
+        norm = scale * _root(rescaled_total(inverse), p)
         return jnp.where(m == jnp.inf, jnp.inf, norm).astype(total.dtype)
 
-    return lax.cond(jnp.any(_needs_rescale(total, p, zero_is_exact)), rescaled, plain)
+    needs_rescale = jnp.any(_needs_rescale(total, p, zero_is_exact))
+    if not isinstance(needs_rescale, jax.core.Tracer):
+        # Eager: decide in Python rather than trace and compile a `cond` on every call.
+        return rescaled() if bool(needs_rescale) else plain()
+    return lax.cond(needs_rescale, rescaled, plain)
 
 
 def leaf_norm(x, p: float = 2.0, axes=None):
@@ -159,8 +180,8 @@ def leaf_norm(x, p: float = 2.0, axes=None):
     if p == math.inf:
         return _largest_magnitude(x, axes, keepdims)
 
-    def total_for(scale):
-        return jnp.sum(magnitude_power(x, p, scale), axis=axes, keepdims=keepdims)
+    def total_for(inverse_scale):
+        return jnp.sum(magnitude_power(x, p, inverse_scale), axis=axes, keepdims=keepdims)
 
     largest = lambda: _largest_part(x, axes, keepdims)  # noqa: E731
     return _safe_norm(total_for(None), p, largest, total_for, zero_is_exact=True)
@@ -222,9 +243,9 @@ def _tree_norm(leaves, leaf_axes, p, dtype):
             leaves, leaf_axes, lambda a: _largest_magnitude(a, None, False), "max", dtype
         )
 
-    def total_for(scale):
+    def total_for(inverse_scale):
         return _combine(
-            leaves, leaf_axes, lambda a: jnp.sum(magnitude_power(a, p, scale)), "sum", dtype
+            leaves, leaf_axes, lambda a: jnp.sum(magnitude_power(a, p, inverse_scale)), "sum", dtype
         )
 
     def largest():
@@ -325,9 +346,7 @@ def leaf_specs(tree, axis_name) -> list:
         ) from None
     out = [spec for group in jax.tree.leaves(per_leaf) for spec in group.specs]
     if len(out) != n:
-        raise ValueError(
-            f"`axis_name` describes {len(out)} leaves but the updates have {n}."
-        )
+        raise ValueError(f"`axis_name` describes {len(out)} leaves but the updates have {n}.")
     return out
 
 
@@ -345,8 +364,8 @@ def all_reduce_norm(norm, mesh_axes: tuple):
     if not mesh_axes:
         return norm
     largest = lax.pmax(lax.stop_gradient(norm), mesh_axes)
-    scale = jnp.where((largest > 0) & (largest < jnp.inf), largest, 1)
-    total = lax.psum(jnp.square(norm / scale), mesh_axes)
+    scale, inverse = power_of_two_scale(largest)
+    total = lax.psum(jnp.square(norm * inverse), mesh_axes)
     return jnp.where(largest == jnp.inf, jnp.inf, scale * _root(total, 2.0))
 
 

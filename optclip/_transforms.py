@@ -36,13 +36,32 @@ class ClippedState(NamedTuple):
     skip_count: jax.Array  # steps dropped because the gradient's norm was not finite
 
 
-def _counter():
+def counter():
+    """A fresh int32 step or event counter."""
     return jnp.zeros((), jnp.int32)
+
+
+def state_dtype(params):
+    """The dtype of norms kept in a state: the accumulation dtype of the float leaves of
+    `params` (float32, or float64 if any leaf is float64/complex128)."""
+    leaves = [x for x in jax.tree.leaves(params) if _is_inexact(x)]
+    return _norms.widest_accum_dtype([jnp.result_type(x) for x in leaves])
+
+
+def clip_to_threshold(updates, norm, threshold, nonfinite: str):
+    """`updates` (of global norm `norm`) scaled down to `threshold`, with the non-finite
+    policy: "propagate" (NaN everywhere) or "zero"."""
+    scale = _functional.clip_scale(norm, _functional.threshold_as(threshold, norm.dtype))
+    updates = _functional.scale_tree(updates, scale)
+    if nonfinite == "zero":
+        updates = zero_unless(jnp.isfinite(norm), updates)
+    return updates
 
 
 def _check_axes_static(axes) -> None:
     if axes is None or _checks.is_traced(axes):
         return
+
     def is_int(a):
         if isinstance(a, (np.ndarray, jax.Array)):
             return a.ndim == 0 and jnp.issubdtype(a.dtype, jnp.integer)
@@ -69,7 +88,7 @@ def _per_leaf_transform(clip_fn, max_norm):
 
     def init_fn(params):
         del params
-        return ScheduleState(_counter()) if scheduled else optax.EmptyState()
+        return ScheduleState(counter()) if scheduled else optax.EmptyState()
 
     def update_fn(updates, state, params=None):
         del params
@@ -243,21 +262,16 @@ def global_clip(
     # An `axis_name` that is neither a name nor a tree is caught at the first update.
 
     def init_fn(params):
-        leaves = [x for x in jax.tree.leaves(params) if _is_inexact(x)]
-        dtype = _norms.widest_accum_dtype([jnp.result_type(x) for x in leaves])
-        return GlobalClipState(jnp.zeros((), dtype), _counter(), _counter(), _counter())
+        dtype = state_dtype(params)
+        return GlobalClipState(jnp.zeros((), dtype), counter(), counter(), counter())
 
     def update_fn(updates, state, params=None):
         del params
         threshold = _threshold_at(max_norm, state.count)
         norm = _norms.global_norm_of(updates, p, axis_name, "global_clip")
+        updates = clip_to_threshold(updates, norm, threshold, nonfinite)
         threshold = _functional.threshold_as(threshold, norm.dtype)
-        scale = _functional.clip_scale(norm, threshold)
         finite = jnp.isfinite(norm)
-        if nonfinite == "zero":
-            updates = _zero_unless(finite, _functional.scale_tree(updates, scale))
-        else:
-            updates = _functional.scale_tree(updates, scale)
         state = GlobalClipState(
             global_norm=norm.astype(state.global_norm.dtype),
             clip_count=state.clip_count + (finite & (norm > threshold)).astype(jnp.int32),
@@ -273,7 +287,7 @@ def _is_inexact(x) -> bool:
     return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
 
 
-def _zero_unless(ok, tree):
+def zero_unless(ok, tree):
     """`tree` where `ok`, zeros of the same dtypes elsewhere."""
     return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), tree)
 
@@ -348,7 +362,7 @@ def clipped(
     inner = optax.with_extra_args_support(optimizer)
 
     def init_fn(params):
-        return ClippedState(clip.init(params), inner.init(params), _counter())
+        return ClippedState(clip.init(params), inner.init(params), counter())
 
     def update_fn(updates, state, params=None, **extra_args):
         if nonfinite != "propagate" and global_clipnorm is None:
@@ -357,13 +371,13 @@ def clipped(
         if nonfinite != "propagate" and global_clipnorm is not None:
             finite = jnp.isfinite(clip_state.global_norm)
         if nonfinite == "zero":
-            clip_updates = _zero_unless(finite, clip_updates)
+            clip_updates = zero_unless(finite, clip_updates)
         new_updates, inner_state = inner.update(
             clip_updates, state.inner_state, params, **extra_args
         )
         skip_count = state.skip_count
         if nonfinite == "skip":
-            new_updates = _zero_unless(finite, new_updates)
+            new_updates = zero_unless(finite, new_updates)
             inner_state = jax.tree.map(
                 lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state
             )

@@ -75,8 +75,11 @@ def test_bounds_must_be_ordered():
 
 def test_bounds_must_broadcast_to_each_leaf():
     tree = {"a": jnp.ones((2, 3)), "b": jnp.ones((4,))}
-    with pytest.raises(ValueError, match=r"`clip_value_max` of shape \(3,\) does not broadcast "
-                                         r"to leaf `\['b'\]` of shape \(4,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"`clip_value_max` of shape \(3,\) does not broadcast "
+        r"to leaf `\['b'\]` of shape \(4,\)",
+    ):
         optclip.clip_by_value(tree, 0.0, jnp.ones(3))
 
 
@@ -93,8 +96,11 @@ def test_axes_out_of_range_names_the_leaf():
 
 
 def test_clipped_takes_at_most_one_clip():
-    with pytest.raises(ValueError, match="at most one of `clipnorm`, `clipvalue` and "
-                                         "`global_clipnorm`, got `clipnorm`, `clipvalue`"):
+    with pytest.raises(
+        ValueError,
+        match="at most one of `clipnorm`, `clipvalue` and "
+        "`global_clipnorm`, got `clipnorm`, `clipvalue`",
+    ):
         optclip.clipped(optax.sgd(1.0), clipnorm=1.0, clipvalue=1.0)
 
 

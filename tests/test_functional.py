@@ -36,8 +36,11 @@ def test_tf_clip_by_norm_example(mode):
 
 def test_tf_clip_by_norm_keeps_or_shrinks(mode):
     x = jnp.array([-2.0, 3.0, 6.0])
-    np.testing.assert_allclose(run(lambda t: optclip.clip_by_norm(t, 5.0), mode)(x),
-                               np.array([-2, 3, 6]) * 5 / 7, rtol=1e-6)
+    np.testing.assert_allclose(
+        run(lambda t: optclip.clip_by_norm(t, 5.0), mode)(x),
+        np.array([-2, 3, 6]) * 5 / 7,
+        rtol=1e-6,
+    )
     assert np.array_equal(run(lambda t: optclip.clip_by_norm(t, 9.0), mode)(x), x)
 
 
@@ -160,8 +163,11 @@ def test_negative_threshold_is_zero_and_zero_input_stays_zero(name, mode):
 @pytest.mark.parametrize("name", ALL_CLIPS)
 @pytest.mark.parametrize("at", ["zero", "clipped", "unclipped"])
 def test_gradients_are_finite_and_identity_at_zero(name, at):
-    x = {"zero": jnp.zeros((2, 3)), "clipped": jnp.arange(6.0).reshape(2, 3) - 2.0,
-         "unclipped": (jnp.arange(6.0).reshape(2, 3) - 2.0) * 1e-3}[at]
+    x = {
+        "zero": jnp.zeros((2, 3)),
+        "clipped": jnp.arange(6.0).reshape(2, 3) - 2.0,
+        "unclipped": (jnp.arange(6.0).reshape(2, 3) - 2.0) * 1e-3,
+    }[at]
     jac = jax.jacobian(lambda t: ALL_CLIPS[name](t, 0.5))(x).reshape(6, 6)
     assert np.all(np.isfinite(np.asarray(jac)))
     if at != "clipped":
@@ -193,8 +199,9 @@ def test_overflowing_squares_are_clipped_correctly(mode):
     clipped, norm = run(lambda t: optclip.clip_by_global_norm(t, 1.0), mode)(x)
     np.testing.assert_allclose(float(norm), 5e20, rtol=1e-6)
     np.testing.assert_allclose(clipped, [0.6, -0.8], rtol=1e-6)
-    np.testing.assert_allclose(run(lambda t: optclip.clip_by_norm(t, 1.0), mode)(x), [0.6, -0.8],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        run(lambda t: optclip.clip_by_norm(t, 1.0), mode)(x), [0.6, -0.8], rtol=1e-6
+    )
     half = jnp.full((4,), 60000.0, jnp.float16)
     out = run(lambda t: optclip.clip_by_norm(t, 1.0), mode)(half)
     assert out.dtype == jnp.float16
@@ -238,8 +245,11 @@ def test_none_and_masked_nodes_are_kept(mode):
     clipped, norm = run(lambda t: optclip.clip_by_global_norm(t, 1.0), mode)(tree)
     assert clipped["a"] is None and isinstance(clipped["b"], optax.MaskedNode)
     np.testing.assert_allclose(clipped["c"], [0.6, 0.8], rtol=1e-6)
-    for fn in (lambda t: optclip.clip_by_norm(t, 1.0), lambda t: optclip.clip_by_value(t, 0, 1),
-               lambda t: optclip.clip_by_average_norm(t, 1.0)):
+    for fn in (
+        lambda t: optclip.clip_by_norm(t, 1.0),
+        lambda t: optclip.clip_by_value(t, 0, 1),
+        lambda t: optclip.clip_by_average_norm(t, 1.0),
+    ):
         out = run(fn, mode)(tree)
         assert out["a"] is None and isinstance(out["b"], optax.MaskedNode)
 

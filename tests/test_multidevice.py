@@ -56,8 +56,11 @@ MULTIDEVICE_GROUPS = [
 def _env(devices: int) -> dict:
     """This environment with JAX on `devices` CPU devices."""
     env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
     env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
     env["JAX_PLATFORMS"] = "cpu"
     # jax.distributed's coordinator speaks gRPC, which would honour a proxy even for 127.0.0.1.
@@ -69,7 +72,7 @@ def _env(devices: int) -> dict:
 def _result(stdout: str):
     """The JSON a worker printed after ``RESULT``, or None."""
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT "):]) if lines else None
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
 
 
 def _free_port() -> int:
@@ -87,7 +90,10 @@ def multidevice():
     """Results of every check in one 8-device process."""
     proc = subprocess.run(
         [sys.executable, str(WORKERS / "multidevice.py")],
-        env=_env(8), capture_output=True, text=True, timeout=TIMEOUT_S,
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
     )
     results = _result(proc.stdout)
     assert proc.returncode == 0 and results is not None, proc.stderr[-5000:]
@@ -103,11 +109,21 @@ def _run_distributed(num_processes: int, tmp_path: pathlib.Path):
             out = open(tmp_path / f"p{rank}.out", "w+")
             err = open(tmp_path / f"p{rank}.err", "w+")
             logs.append((out, err))
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKERS / "distributed.py"), str(rank),
-                 str(num_processes), str(port)],
-                env=_env(2), stdout=out, stderr=err, text=True,
-            ))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        str(WORKERS / "distributed.py"),
+                        str(rank),
+                        str(num_processes),
+                        str(port),
+                    ],
+                    env=_env(2),
+                    stdout=out,
+                    stderr=err,
+                    text=True,
+                )
+            )
         deadline = time.monotonic() + TIMEOUT_S
         for proc in procs:
             proc.wait(timeout=max(deadline - time.monotonic(), 1))
@@ -136,8 +152,9 @@ def distributed(tmp_path_factory):
         results = [_result(stdout) for _, stdout, _ in outputs]
         if all(r is not None for r in results):
             break
-    report = "\n\n".join(f"process {i}: rc {rc}\n{err[-3000:]}"
-                         for i, (rc, _, err) in enumerate(outputs))
+    report = "\n\n".join(
+        f"process {i}: rc {rc}\n{err[-3000:]}" for i, (rc, _, err) in enumerate(outputs)
+    )
     assert all(rc == 0 for rc, _, _ in outputs), report
     assert all(r is not None for r in results), report
     return results

@@ -21,8 +21,9 @@ FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 @pytest.mark.parametrize("n_leaves", [1, 10, 1000])
 def test_global_norm_is_right_to_float32_rounding(dtype, n_leaves, mode):
     rng = np.random.default_rng(n_leaves)
-    leaves = random_leaves(rng, [(17,)] * (n_leaves // 2) + [(3, 5)] * (n_leaves - n_leaves // 2),
-                           dtype)
+    leaves = random_leaves(
+        rng, [(17,)] * (n_leaves // 2) + [(3, 5)] * (n_leaves - n_leaves // 2), dtype
+    )
     leaves = [jnp.asarray(x, dtype) for x in leaves]
     norm = run(optclip.global_norm, mode)(leaves)
     assert norm.dtype == jnp.float32

@@ -65,8 +65,12 @@ def test_per_leaf_and_per_row_norms_at_most_threshold(tree, c):
         assert np.all(rows <= c * (1 + 1e-6))
 
 
-@given(st.tuples(*[hnp.arrays(np.float16, s, elements=st.floats(-6e4, 6e4, width=16))
-                   for s in SHAPES]), st.floats(0.0625, 1024.0, width=32))
+@given(
+    st.tuples(
+        *[hnp.arrays(np.float16, s, elements=st.floats(-6e4, 6e4, width=16)) for s in SHAPES]
+    ),
+    st.floats(0.0625, 1024.0, width=32),
+)
 def test_float16_never_overflows_and_keeps_dtype(tree, c):
     tree = tuple(jnp.asarray(x) for x in tree)
     clipped, norm = global_clip_fn(tree, c)

@@ -24,8 +24,11 @@ FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 def _tree(dtype, seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
     a, b, c = random_leaves(rng, [(3, 4), (4,), (2, 1)], np.float32)
-    return {"w": jnp.asarray(a * scale, dtype), "b": jnp.asarray(b * scale, dtype),
-            "s": jnp.asarray(c * scale, dtype)}
+    return {
+        "w": jnp.asarray(a * scale, dtype),
+        "b": jnp.asarray(b * scale, dtype),
+        "s": jnp.asarray(c * scale, dtype),
+    }
 
 
 def _ref_value_clip(tree, v):
@@ -50,21 +53,31 @@ def _ref_sgd(reference):
 CONTRACT = {
     "value_clip": (lambda: optclip.value_clip(0.5), lambda t: _ref_value_clip(t, 0.5)),
     "norm_clip": (lambda: optclip.norm_clip(1.0), lambda t: _ref_norm_clip(t, 1.0)),
-    "norm_clip_rows": (lambda: optclip.norm_clip(1.0, axes=-1),
-                       lambda t: _ref_norm_clip(t, 1.0, -1)),
-    "average_norm_clip": (lambda: optclip.average_norm_clip(0.1),
-                          lambda t: [ref_clip_by_average_norm(x, 0.1)
-                                     for x in jax.tree.leaves(t)]),
+    "norm_clip_rows": (
+        lambda: optclip.norm_clip(1.0, axes=-1),
+        lambda t: _ref_norm_clip(t, 1.0, -1),
+    ),
+    "average_norm_clip": (
+        lambda: optclip.average_norm_clip(0.1),
+        lambda t: [ref_clip_by_average_norm(x, 0.1) for x in jax.tree.leaves(t)],
+    ),
     "global_clip": (lambda: optclip.global_clip(1.0), lambda t: _ref_global_clip(t, 1.0)),
-    "global_clip_zero": (lambda: optclip.global_clip(1.0, nonfinite="zero"),
-                         lambda t: _ref_global_clip(t, 1.0)),
-    "clipped_clipnorm": (lambda: optclip.clipped(optax.sgd(0.1), clipnorm=1.0),
-                         lambda t: [-0.1 * x for x in _ref_norm_clip(t, 1.0)]),
-    "clipped_clipvalue": (lambda: optclip.clipped(optax.sgd(0.1), clipvalue=0.5),
-                          lambda t: [-0.1 * x for x in _ref_value_clip(t, 0.5)]),
-    "clipped_global": (lambda: optclip.clipped(optax.sgd(0.1), global_clipnorm=1.0,
-                                               nonfinite="skip"),
-                       lambda t: [-0.1 * x for x in _ref_global_clip(t, 1.0)]),
+    "global_clip_zero": (
+        lambda: optclip.global_clip(1.0, nonfinite="zero"),
+        lambda t: _ref_global_clip(t, 1.0),
+    ),
+    "clipped_clipnorm": (
+        lambda: optclip.clipped(optax.sgd(0.1), clipnorm=1.0),
+        lambda t: [-0.1 * x for x in _ref_norm_clip(t, 1.0)],
+    ),
+    "clipped_clipvalue": (
+        lambda: optclip.clipped(optax.sgd(0.1), clipvalue=0.5),
+        lambda t: [-0.1 * x for x in _ref_value_clip(t, 0.5)],
+    ),
+    "clipped_global": (
+        lambda: optclip.clipped(optax.sgd(0.1), global_clipnorm=1.0, nonfinite="skip"),
+        lambda t: [-0.1 * x for x in _ref_global_clip(t, 1.0)],
+    ),
 }
 
 
@@ -77,8 +90,9 @@ def test_contract_every_transform_every_dtype(name, dtype, mode):
     updates = _tree(dtype, seed=2, scale=3.0)
     state = tx.init(params)
     new_updates, new_state = run(tx.update, mode)(updates, state, params)
-    for out, x, exp in zip(jax.tree.leaves(new_updates), jax.tree.leaves(updates),
-                           reference(updates)):
+    for out, x, exp in zip(
+        jax.tree.leaves(new_updates), jax.tree.leaves(updates), reference(updates)
+    ):
         assert out.dtype == x.dtype and out.shape == x.shape
         assert_close(out, exp, dtype, factor=2.0)
     # The state keeps its structure, shapes and dtypes from step to step.
@@ -113,8 +127,9 @@ def test_global_clip_propagates_nan_by_default_and_zero_policy():
 
 
 @pytest.mark.parametrize("policy", ["skip", "zero", "propagate"])
-@pytest.mark.parametrize("mode_kw", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0},
-                                     {"clipvalue": 1.0}, {}])
+@pytest.mark.parametrize(
+    "mode_kw", [{"global_clipnorm": 1.0}, {"clipnorm": 1.0}, {"clipvalue": 1.0}, {}]
+)
 def test_clipped_nonfinite_policies(policy, mode_kw):
     opt = optclip.clipped(optax.adam(0.1), nonfinite=policy, **mode_kw)
     params = {"w": jnp.ones(3)}
@@ -197,8 +212,11 @@ def test_inject_hyperparams_with_a_numeric_ord(ord):
 def test_schedule_thresholds():
     schedule = optax.linear_schedule(1.0, 3.0, transition_steps=2)
     x = jnp.array([30.0, 40.0])
-    for tx in (optclip.global_clip(schedule), optclip.norm_clip(schedule),
-               optclip.average_norm_clip(lambda count: schedule(count) / 2)):
+    for tx in (
+        optclip.global_clip(schedule),
+        optclip.norm_clip(schedule),
+        optclip.average_norm_clip(lambda count: schedule(count) / 2),
+    ):
         state = tx.init(x)
         step = jax.jit(tx.update)
         norms = []
@@ -215,8 +233,9 @@ def test_composes_with_masked_and_multi_transform():
     out, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-6)
     np.testing.assert_array_equal(out["b"], grads["b"])
-    tx = optax.multi_transform({"clip": optclip.global_clip(1.0), "keep": optax.identity()},
-                               {"w": "clip", "b": "keep"})
+    tx = optax.multi_transform(
+        {"clip": optclip.global_clip(1.0), "keep": optax.identity()}, {"w": "clip", "b": "keep"}
+    )
     out, state = jax.jit(tx.update)(grads, tx.init(params), params)
     np.testing.assert_allclose(out["w"], [0.6, 0.8], rtol=1e-6)
     np.testing.assert_array_equal(out["b"], grads["b"])

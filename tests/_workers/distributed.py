@@ -100,8 +100,7 @@ def run_checks(mesh):
     step_norm = optax.tree.get(state, "global_norm")
     check_shards("distributed/global_clip_step/norm", step_norm, want_norm)
     values["global_clip_step/norm"] = float(step_norm.addressable_data(0))
-    check_hlo("distributed/hlo/global_clip_step",
-              step.lower(x, opt.init(x), g).compile().as_text())
+    check_hlo("distributed/hlo/global_clip_step", step.lower(x, opt.init(x), g).compile().as_text())
 
     # shard_map with shard_map's own in_specs as axis_name, across the processes.
     sgd = optax.chain(optclip.global_clip(1.0, axis_name=specs), optax.sgd(0.1))
@@ -110,8 +109,9 @@ def run_checks(mesh):
         updates, state = sgd.update(grads, sgd.init(params), params)
         return optax.apply_updates(params, updates), optax.tree.get(state, "global_norm")
 
-    smap_step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(specs, specs),
-                                      out_specs=(specs, P())))
+    smap_step = jax.jit(
+        jax.shard_map(local_step, mesh=mesh, in_specs=(specs, specs), out_specs=(specs, P()))
+    )
     new_params, norm = smap_step(x, g)
     want_params, _ = ref_sgd_step(params, grads, 1.0, 0.1)
     check_shards("distributed/shard_map/params", new_params, want_params)
@@ -132,9 +132,11 @@ def main():
     )
     values = {}
     try:
-        record("distributed/topology",
-               jax.process_count() == num_processes and jax.local_device_count() == 2,
-               note=f"{jax.process_count()} processes, {jax.device_count()} devices")
+        record(
+            "distributed/topology",
+            jax.process_count() == num_processes and jax.local_device_count() == 2,
+            note=f"{jax.process_count()} processes, {jax.device_count()} devices",
+        )
         mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
         with group("distributed"):
             values = run_checks(mesh)

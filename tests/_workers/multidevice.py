@@ -80,8 +80,10 @@ def check(name, got, want, rtol=RTOL):
 
 
 def check_dtypes(name, got, like):
-    same = [np.dtype(a.dtype) == np.dtype(b.dtype)
-            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(like))]
+    same = [
+        np.dtype(a.dtype) == np.dtype(b.dtype)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(like))
+    ]
     record(name, all(same) and len(same) == len(jax.tree.leaves(like)))
 
 
@@ -203,8 +205,11 @@ def jit_checks(kind, axis_types):
     kept = jax.tree.map(
         lambda a, s: a.sharding.is_equivalent_to(NamedSharding(mesh, s), a.ndim), new_params, specs
     )
-    record(f"jit-{kind}/global_clip_step/shardings_kept", all(jax.tree.leaves(kept)),
-           note=str(jax.tree.map(lambda a: str(a.sharding.spec), new_params)))
+    record(
+        f"jit-{kind}/global_clip_step/shardings_kept",
+        all(jax.tree.leaves(kept)),
+        note=str(jax.tree.map(lambda a: str(a.sharding.spec), new_params)),
+    )
 
     # Adam's state is sharded like the parameters; the sharded run equals one device's.
     adam = optax.chain(optclip.global_clip(1.0), optax.adam(0.1))
@@ -275,8 +280,10 @@ def shard_map_checks():
 
     # A name: every leaf split over "data" of a 1-D mesh.
     mesh_1d = jax.make_mesh((8,), ("data",))
-    tree = {"w": rng.standard_normal((8, 3)).astype(np.float32),
-            "b": rng.standard_normal((16,)).astype(np.float32)}
+    tree = {
+        "w": rng.standard_normal((8, 3)).astype(np.float32),
+        "b": rng.standard_normal((16,)).astype(np.float32),
+    }
     specs = {"w": P("data"), "b": P("data")}
     shard_map_clip_checks("shard_map-str", tree, specs, "data", mesh_1d)
 
@@ -297,17 +304,23 @@ def shard_map_checks():
 
     # A prefix of the updates, as shard_map's in_specs may be: one spec for a whole subtree.
     prefix_tree = {
-        "layer": {"w": rng.standard_normal((8, 4)).astype(np.float32),
-                  "b": rng.standard_normal((8,)).astype(np.float32)},
-        "head": {"w": rng.standard_normal((4, 2)).astype(np.float32),
-                 "b": rng.standard_normal((2,)).astype(np.float32)},
+        "layer": {
+            "w": rng.standard_normal((8, 4)).astype(np.float32),
+            "b": rng.standard_normal((8,)).astype(np.float32),
+        },
+        "head": {
+            "w": rng.standard_normal((4, 2)).astype(np.float32),
+            "b": rng.standard_normal((2,)).astype(np.float32),
+        },
     }
     prefix = {"layer": P("data"), "head": P()}
     shard_map_clip_checks("shard_map-prefix", prefix_tree, prefix, prefix, mesh)
 
     # A list of PartitionSpecs for a list of updates (list nodes in `axis_name`).
-    leaves = [rng.standard_normal((8, 2)).astype(np.float32),
-              rng.standard_normal((3,)).astype(np.float32)]
+    leaves = [
+        rng.standard_normal((8, 2)).astype(np.float32),
+        rng.standard_normal((3,)).astype(np.float32),
+    ]
     list_specs = [P(("data", "model")), P()]
     shard_map_clip_checks("shard_map-list", leaves, list_specs, list_specs, mesh)
 
@@ -315,20 +328,21 @@ def shard_map_checks():
     auto = mesh_2d(AxisType.Auto)
     none_specs = [P("data"), None]
     g = [jax.device_put(leaves[0], NamedSharding(auto, P("data"))), leaves[1]]
-    norm = smap(lambda t: optclip.global_norm(t, axis_name=none_specs), auto,
-                (none_specs,), P())(g)
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=none_specs), auto, (none_specs,), P())(g)
     check("shard_map-none/global_norm", norm, ref_norm(leaves))
 
     # Without check_vma the reductions are the same.
     g = put(tree, specs, mesh)
-    norm = smap(lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P(),
-                check_vma=False)(g)
+    norm = smap(
+        lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P(), check_vma=False
+    )(g)
     check("shard_map-specs/no_check_vma", norm, ref_norm(tree))
 
     # Other orders: partial sums psum-ed, or the largest magnitude pmax-ed.
     for p in (1.0, math.inf, 3.0):
-        norm = smap(lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs),
-                    mesh, (specs,), P())(g)
+        norm = smap(
+            lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs), mesh, (specs,), P()
+        )(g)
         check(f"shard_map-ord/global_norm/ord={p}", norm, ref_norm(tree, p))
         opt = optclip.global_clip(1.0, ord=p, axis_name=specs)
         clipped = smap(lambda t, opt=opt: opt.update(t, opt.init(t))[0], mesh, (specs,), specs)(g)
@@ -336,25 +350,41 @@ def shard_map_checks():
 
     check_hlo(
         "hlo/shard_map/clip_by_global_norm",
-        smap(lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs), mesh,
-             (specs,), (specs, P())).lower(g).compile().as_text(),
+        smap(
+            lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs),
+            mesh,
+            (specs,),
+            (specs, P()),
+        )
+        .lower(g)
+        .compile()
+        .as_text(),
     )
 
     # Optax inside shard_map clips every device by its own local norm; optclip does not.
     want, _ = ref_clip(tree, 1.0)
     optax_tx = optax.clip_by_global_norm(1.0)
-    optax_clipped = smap(lambda t: optax_tx.update(t, optax_tx.init(t))[0], mesh, (specs,),
-                         specs, check_vma=False)(g)
-    error = max(rel_err(a, b) for a, b in zip(jax.tree.leaves(optax_clipped),
-                                               jax.tree.leaves(want)))
-    local_norms = smap(lambda t: optax.global_norm(t)[None], mesh, (specs,),
-                       P(("data", "model")), check_vma=False)(g)
-    record("shard_map-optax-differs/optax_is_wrong", error > 1e-2, error,
-           note=f"optax's per-device norms {np.round(np.asarray(local_norms), 4).tolist()}, "
-                f"true norm {ref_norm(tree):.4f}")
-    record("shard_map-optax-differs/per_device_norms_differ",
-           np.ptp(np.asarray(local_norms)) > 1e-3
-           and not np.allclose(np.asarray(local_norms), ref_norm(tree), rtol=1e-2))
+    optax_clipped = smap(
+        lambda t: optax_tx.update(t, optax_tx.init(t))[0], mesh, (specs,), specs, check_vma=False
+    )(g)
+    error = max(
+        rel_err(a, b) for a, b in zip(jax.tree.leaves(optax_clipped), jax.tree.leaves(want))
+    )
+    local_norms = smap(
+        lambda t: optax.global_norm(t)[None], mesh, (specs,), P(("data", "model")), check_vma=False
+    )(g)
+    record(
+        "shard_map-optax-differs/optax_is_wrong",
+        error > 1e-2,
+        error,
+        note=f"optax's per-device norms {np.round(np.asarray(local_norms), 4).tolist()}, "
+        f"true norm {ref_norm(tree):.4f}",
+    )
+    record(
+        "shard_map-optax-differs/per_device_norms_differ",
+        np.ptp(np.asarray(local_norms)) > 1e-3
+        and not np.allclose(np.asarray(local_norms), ref_norm(tree), rtol=1e-2),
+    )
     tx = optclip.global_clip(1.0, axis_name=specs)
     ours = smap(lambda t: tx.update(t, tx.init(t))[0], mesh, (specs,), specs)(g)
     check("shard_map-optax-differs/optclip_is_right", ours, want)
@@ -371,8 +401,13 @@ def low_precision_checks():
         "bf16_rep": rng.standard_normal((3,)).astype(jnp.bfloat16),
         "f32": rng.standard_normal((4, 2)).astype(np.float32),
     }
-    specs = {"f16": P(("data", "model")), "f16_rep": P(), "bf16": P("data", "model"),
-             "bf16_rep": P(), "f32": P("data")}
+    specs = {
+        "f16": P(("data", "model")),
+        "f16_rep": P(),
+        "bf16": P("data", "model"),
+        "bf16_rep": P(),
+        "f32": P("data"),
+    }
     shard_map_clip_checks("shard_map-lowp", tree, specs, specs, mesh, max_norm=100.0)
     # The float16 leaves alone: their sum of squares is far beyond float16's range.
     f16 = {"f16": tree["f16"], "f16_rep": tree["f16_rep"]}
@@ -398,28 +433,35 @@ def overflow_checks():
     shard_map_clip_checks("shard_map-overflow-tiny", small, specs, specs, mesh, max_norm=1e-30)
     g = put(huge, specs, mesh)
     for p in (1.0, 3.0):
-        norm = smap(lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs),
-                    mesh, (specs,), P())(g)
+        norm = smap(
+            lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs), mesh, (specs,), P()
+        )(g)
         check(f"shard_map-overflow-ord/ord={p}", norm, ref_norm(huge, p))
     # A norm beyond float32's range is inf, and a non-finite norm makes every leaf NaN.
     beyond = dict(huge, big=np.full((16, 2), 3e38, np.float32))
     norm = smap(lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P())(
-        put(beyond, specs, mesh))
+        put(beyond, specs, mesh)
+    )
     record("shard_map-overflow-inf/norm_is_inf", np.isinf(np.asarray(norm)))
     with_inf = dict(huge, one=np.where(np.arange(8) == 2, np.inf, one).astype(np.float32))
-    clipped, norm = smap(lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs),
-                         mesh, (specs,), (specs, P()))(put(with_inf, specs, mesh))
-    record("shard_map-overflow-inf/nonfinite_all_nan",
-           np.isinf(np.asarray(norm))
-           and all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(clipped)))
+    clipped, norm = smap(
+        lambda t: optclip.clip_by_global_norm(t, 1.0, axis_name=specs), mesh, (specs,), (specs, P())
+    )(put(with_inf, specs, mesh))
+    record(
+        "shard_map-overflow-inf/nonfinite_all_nan",
+        np.isinf(np.asarray(norm))
+        and all(np.isnan(np.asarray(x)).all() for x in jax.tree.leaves(clipped)),
+    )
 
 
 def pmap_checks():
     """pmap: a name for leaves with one piece per device, a pytree with None for replicated."""
     rng = np.random.default_rng(5)
     n = jax.device_count()
-    split = {"w": rng.standard_normal((n, 3, 2)).astype(np.float32),
-             "b": rng.standard_normal((n, 4)).astype(np.float32)}
+    split = {
+        "w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+        "b": rng.standard_normal((n, 4)).astype(np.float32),
+    }
     rep = {"c": rng.standard_normal((5,)).astype(np.float32)}
     tree = {**split, **rep}
     want, want_norm = ref_clip(tree, 1.0)
@@ -436,8 +478,7 @@ def pmap_checks():
 
     clipped, norm = jax.pmap(clip, axis_name="i", in_axes=(0, None))(split, rep)
     check("pmap/pytree/norm", norm, np.full(n, want_norm))
-    check("pmap/pytree/split_leaves", {k: clipped[k] for k in split},
-          {k: want[k] for k in split})
+    check("pmap/pytree/split_leaves", {k: clipped[k] for k in split}, {k: want[k] for k in split})
     check("pmap/pytree/replicated_leaf", clipped["c"], np.broadcast_to(want["c"], (n, 5)))
 
     opt = optax.chain(optclip.global_clip(1.0, axis_name=names), optax.sgd(0.1))
@@ -451,8 +492,11 @@ def pmap_checks():
     new_params, norm = jax.pmap(step, axis_name="i", in_axes=(0, None))(split, rep)
     want_params, _ = ref_sgd_step(jax.tree.map(np.ones_like, tree), tree, 1.0, 0.1)
     check("pmap/global_clip_step/norm", norm, np.full(n, want_norm))
-    check("pmap/global_clip_step/params", {k: new_params[k] for k in split},
-          {k: want_params[k] for k in split})
+    check(
+        "pmap/global_clip_step/params",
+        {k: new_params[k] for k in split},
+        {k: want_params[k] for k in split},
+    )
 
 
 def main():
