@@ -5,6 +5,9 @@ with exact float32 accumulation, the norm kept in the optimizer state, and multi
 reductions.
 """
 
+from optclip._adaptive import AGCState as AGCState
+from optclip._adaptive import AutoClipState as AutoClipState
+from optclip._adaptive import ZClipState as ZClipState
 from optclip._adaptive import agc as agc
 from optclip._adaptive import autoclip as autoclip
 from optclip._adaptive import zclip as zclip
@@ -25,9 +28,12 @@ from optclip._transforms import value_clip as value_clip
 __version__ = "0.1.0"
 
 __all__ = [
+    "AGCState",
+    "AutoClipState",
     "ClippedState",
     "GlobalClipState",
     "ScheduleState",
+    "ZClipState",
     "agc",
     "autoclip",
     "average_norm_clip",

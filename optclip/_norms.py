@@ -145,6 +145,17 @@ def _needs_rescale(total, p, zero_is_exact: bool):
     return (total == jnp.inf) | low
 
 
+def _rescaled_norm(largest: Callable, rescaled_total: Callable, p):
+    """``m * (sum |x / m| ** p) ** (1/p)`` with ``m`` the largest magnitude (a power of two near
+    it, so the scaling is exact): the norm when the plain sum overflowed or underflowed."""
+    m = largest()
+    # The norm does not depend on the scale, so no gradient flows through it (its derivative
+    # would divide by scale**2, which overflows).
+    scale, inverse = lax.stop_gradient(power_of_two_scale(m))
+    norm = scale * _root(rescaled_total(inverse), p)
+    return jnp.where(m == jnp.inf, jnp.inf, norm)
+
+
 def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_exact: bool):
     """The norm from a plain sum of powers, or, if that sum lost it, from a rescaled one.
 
@@ -157,12 +168,7 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_ex
         return _root(total, p)
 
     def rescaled():
-        m = largest()
-        # The norm does not depend on the scale, so no gradient flows through it (its
-        # derivative would divide by scale**2, which overflows).
-        scale, inverse = lax.stop_gradient(power_of_two_scale(m))
-        norm = scale * _root(rescaled_total(inverse), p)
-        return jnp.where(m == jnp.inf, jnp.inf, norm).astype(total.dtype)
+        return _rescaled_norm(largest, rescaled_total, p).astype(total.dtype)
 
     needs_rescale = jnp.any(_needs_rescale(total, p, zero_is_exact))
     if not isinstance(needs_rescale, jax.core.Tracer):
@@ -180,11 +186,89 @@ def leaf_norm(x, p: float = 2.0, axes=None):
     if p == math.inf:
         return _largest_magnitude(x, axes, keepdims)
 
-    def total_for(inverse_scale):
-        return jnp.sum(magnitude_power(x, p, inverse_scale), axis=axes, keepdims=keepdims)
+    def reduce(arrays):
+        return jnp.sum(arrays[0], axis=axes, keepdims=keepdims)
 
-    largest = lambda: _largest_part(x, axes, keepdims)  # noqa: E731
-    return _safe_norm(total_for(None), p, largest, total_for, zero_is_exact=True)
+    return _norm_with_rules(
+        [x], p, reduce, lambda arrays: _largest_part(arrays[0], axes, keepdims), True
+    )
+
+
+def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
+    """The `p`-norm of `arrays` (a list), with a batching rule and a differentiation rule.
+
+    `reduce(list)` sums a list of elementwise arrays (one per input array) the way the norm
+    needs (over some axes of one leaf, or over every leaf); `largest(arrays)` is the largest
+    magnitude with the same reduction. The norm itself is `_safe_norm`'s. Two custom rules:
+
+    * `vmap` (per-example clipping): a `lax.cond` with a batched predicate would become a
+      `select` running both branches for every example; the rule keeps one `cond`, on whether
+      any example needs the fallback.
+    * differentiation: `d||x||_p = sum((|x|/n)**(p-2) * (x/n) * dx)`, with `x/n` computed with a
+      power-of-two scale (no overflow, no flush to zero); zero at `n == 0`. This is the exact
+      derivative of the norm, whichever branch computed it.
+    """
+
+    def totals(arrays, inverse_scale=None):
+        return reduce([magnitude_power(a, p, inverse_scale) for a in arrays])
+
+    def compute(arrays):
+        return _safe_norm(
+            totals(arrays),
+            p,
+            lambda: largest(arrays),
+            lambda inv: totals(arrays, inv),
+            zero_is_exact,
+        )
+
+    @jax.custom_batching.custom_vmap
+    def batched(arrays):
+        return compute(arrays)
+
+    @batched.def_vmap
+    def batched_rule(axis_size, in_batched, arrays):
+        del axis_size
+        flags = in_batched[0]
+        if not any(flags):
+            return compute(arrays), False
+        in_axes = ([0 if flag else None for flag in flags],)
+        total = jax.vmap(totals, in_axes=in_axes)(arrays)
+        plain = _root(total, p)
+        needs = _needs_rescale(total, p, zero_is_exact)
+
+        def with_fallback():
+            rescaled = jax.vmap(
+                lambda a: _rescaled_norm(lambda: largest(a), lambda inv: totals(a, inv), p),
+                in_axes=in_axes,
+            )(arrays)
+            return jnp.where(needs, rescaled.astype(plain.dtype), plain)
+
+        return lax.cond(jnp.any(needs), with_fallback, lambda: plain), True
+
+    @jax.custom_jvp
+    def norm(arrays):
+        return batched(arrays)
+
+    @norm.defjvp
+    def norm_jvp(primals, tangents):
+        (arrays,), (darrays,) = primals, tangents
+        n = norm(arrays)
+        return n, reduce([_norm_tangent(a, da, n, p) for a, da in zip(arrays, darrays)])
+
+    return norm(arrays)
+
+
+def _norm_tangent(x, dx, n, p: float):
+    """Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`."""
+    n_safe = jnp.where((n == 0) | ~jnp.isfinite(n), 1, n)
+    _, inverse = power_of_two_scale(n_safe)
+    n_scaled = n_safe * inverse  # in [0.5, 1): dividing by it is safe
+    ratio = [c * inverse.astype(c.dtype) / n_scaled.astype(c.dtype) for c in _parts(x)]
+    directional = sum(r * d for r, d in zip(ratio, _parts(jnp.asarray(dx, x.dtype))))
+    if p != 2.0:
+        magnitude = jnp.abs(ratio[0]) if len(ratio) == 1 else jnp.hypot(*ratio)
+        directional = _pow0(magnitude, p - 2) * directional
+    return jnp.where(n == 0, 0, directional).astype(n.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,15 +327,22 @@ def _tree_norm(leaves, leaf_axes, p, dtype):
             leaves, leaf_axes, lambda a: _largest_magnitude(a, None, False), "max", dtype
         )
 
+    def largest_of(arrays):
+        return _combine(arrays, leaf_axes, lambda a: _largest_part(a, None, False), "max", dtype)
+
+    def reduce(arrays):
+        return _combine(arrays, leaf_axes, jnp.sum, "sum", dtype)
+
+    if _is_static(p) and not any(leaf_axes):
+        return _norm_with_rules(list(leaves), p, reduce, largest_of, False)
+    # Inside shard_map/pmap (collectives) or for a traced order: plain autodiff and batching.
+
     def total_for(inverse_scale):
-        return _combine(
-            leaves, leaf_axes, lambda a: jnp.sum(magnitude_power(a, p, inverse_scale)), "sum", dtype
-        )
+        return reduce([magnitude_power(a, p, inverse_scale) for a in leaves])
 
-    def largest():
-        return _combine(leaves, leaf_axes, lambda a: _largest_part(a, None, False), "max", dtype)
-
-    return _safe_norm(total_for(None), p, largest, total_for, zero_is_exact=False)
+    return _safe_norm(
+        total_for(None), p, lambda: largest_of(leaves), total_for, zero_is_exact=False
+    )
 
 
 def _tree_norm_traced(leaves, leaf_axes, p, dtype):
