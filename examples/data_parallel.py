@@ -74,8 +74,9 @@ def init_params(key):
     params = []
     for n_in, n_out in zip(SIZES[:-1], SIZES[1:]):
         key, sub = jax.random.split(key)
-        params.append({"w": jax.random.normal(sub, (n_in, n_out)) / np.sqrt(n_in),
-                       "b": jnp.zeros((n_out,))})
+        params.append(
+            {"w": jax.random.normal(sub, (n_in, n_out)) / np.sqrt(n_in), "b": jnp.zeros((n_out,))}
+        )
     return params
 
 
@@ -103,6 +104,7 @@ def make_batches(key, steps):
 
 def gathered(params):
     """FSDP's all-gather of the weights before they are used (a no-op on replicated ones)."""
+
     def gather(p):
         split = any(axis is not None for axis in jax.typeof(p).sharding.spec)
         return reshard(p, P()) if split else p
@@ -132,7 +134,8 @@ def shard_map_step(mesh):
             # All-gather each sharded weight; its gradient comes back reduce-scattered.
             full = jax.tree.map(
                 lambda p, s: p if s == P() else jax.lax.all_gather(p, "data", tiled=True),
-                params, PARAM_SPECS,
+                params,
+                PARAM_SPECS,
             )
             return loss_fn(full, x, y)
 
@@ -147,11 +150,15 @@ def shard_map_step(mesh):
     def step(params, opt_state, x, y):
         # Adam's moments are split like the parameters; the counters and the norm replicated.
         state_specs = optax.tree_map_params(
-            optimizer, lambda _, spec: spec, opt_state, PARAM_SPECS,
+            optimizer,
+            lambda _, spec: spec,
+            opt_state,
+            PARAM_SPECS,
             transform_non_params=lambda _: P(),
         )
         return jax.shard_map(
-            local_step, mesh=mesh,
+            local_step,
+            mesh=mesh,
             in_specs=(PARAM_SPECS, state_specs, P("data"), P("data")),
             out_specs=(PARAM_SPECS, state_specs, P()),
         )(params, opt_state, x, y)
@@ -183,8 +190,10 @@ def train(name, step, optimizer, params, batches, mesh, param_specs, log_every):
         norms.append(norm)
         if i % log_every == 0 or i == xs.shape[0] - 1:
             clips = int(optax.tree.get(opt_state, "clip_count"))
-            print(f"  {name:<20} step {i:>4}  loss {float(loss):9.4f}  grad norm {norm:9.4f}"
-                  f"  clipped so far {clips}")
+            print(
+                f"  {name:<20} step {i:>4}  loss {float(loss):9.4f}  grad norm {norm:9.4f}"
+                f"  clipped so far {clips}"
+            )
     print(f"  {name:<20} {time.perf_counter() - start:.1f} s")
     return params, np.array(norms)
 
@@ -196,8 +205,10 @@ def main(argv=None):
 
     # All the devices (8 CPU devices here), with explicit axis types, JAX's default.
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
-    print(f"{jax.device_count()} devices; mesh {dict(mesh.shape)}; global batch {BATCH}; "
-          f"{args.steps} steps of chain(global_clip({MAX_NORM}), adam)\n")
+    print(
+        f"{jax.device_count()} devices; mesh {dict(mesh.shape)}; global batch {BATCH}; "
+        f"{args.steps} steps of chain(global_clip({MAX_NORM}), adam)\n"
+    )
     params = init_params(jax.random.key(0))
     batches = make_batches(jax.random.key(1), args.steps)
     log_every = max(args.steps // 5, 1)
@@ -219,15 +230,20 @@ def main(argv=None):
         print()
 
     reference_params, reference_norms = results["one device"]
-    print(f"{'setting':<20} {'max rel. diff of grad norms':>28} {'max |param diff|':>17}  "
-          f"sharding of the first weight")
+    print(
+        f"{'setting':<20} {'max rel. diff of grad norms':>28} {'max |param diff|':>17}  "
+        f"sharding of the first weight"
+    )
     for name, (final, norms) in results.items():
         norm_diff = np.max(np.abs(norms - reference_norms) / reference_norms)
-        param_diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-                         for a, b in zip(jax.tree.leaves(final),
-                                         jax.tree.leaves(reference_params)))
-        print(f"{name:<20} {norm_diff:>28.2g} {param_diff:>17.2g}  "
-              f"{getattr(final[0]['w'].sharding, 'spec', 'one device')}")
+        param_diff = max(
+            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+            for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(reference_params))
+        )
+        print(
+            f"{name:<20} {norm_diff:>28.2g} {param_diff:>17.2g}  "
+            f"{getattr(final[0]['w'].sharding, 'spec', 'one device')}"
+        )
         # float32 sums in another order: the same to rounding, drifting slowly with Adam.
         assert norm_diff < 1e-4 and param_diff < 1e-4, name
     print("\nevery setting clips by the same global norm as one device")

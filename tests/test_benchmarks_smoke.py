@@ -1,0 +1,42 @@
+"""The benchmark suite runs end to end (``--quick``) and prints its table.
+
+No timing is asserted: the machine is shared and noisy. Only the accuracy figures, which are
+deterministic, are checked against the contract (float32 rounding for any leaf count).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_suite_runs_and_prints_table(tmp_path):
+    out = tmp_path / "results.json"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "benchmark" in proc.stdout and "ratio" in proc.stdout, proc.stdout
+    assert "targets met" in proc.stdout, proc.stdout
+
+    results = json.loads(out.read_text())
+    sections = {row["section"] for row in results["rows"]}
+    assert sections == {"step", "overhead", "norm", "many_leaves", "bf16", "memory", "accuracy"}, (
+        sections
+    )
+    accuracy = [row for row in results["rows"] if row["section"] == "accuracy"]
+    assert len(accuracy) == 6  # {bfloat16, float16} x {10, 100, 1000} leaves
+    for row in accuracy:
+        assert row["ours"] <= 1e-6, row
