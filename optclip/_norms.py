@@ -221,6 +221,9 @@ def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
             zero_is_exact,
         )
 
+    if not any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return compute(arrays)  # eager: no transformation to write rules for
+
     @jax.custom_batching.custom_vmap
     def batched(arrays):
         return compute(arrays)

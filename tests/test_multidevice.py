@@ -50,6 +50,7 @@ MULTIDEVICE_GROUPS = [
     "shard_map-overflow-inf",
     "shard_map-optax-differs",
     "pmap",
+    "adaptive",
 ]
 
 

@@ -499,6 +499,66 @@ def pmap_checks():
     )
 
 
+# ----------------------------------------------------------------------------------------------
+# 7. The adaptive transforms inside shard_map: the same updates and statistics as on one device.
+
+
+def adaptive_checks():
+    mesh = mesh_2d()
+    rng = np.random.default_rng(7)
+    # A conv kernel split over its input and output channels, a dense kernel split by rows
+    # (AGC's unit axis), a bias split over "model" and a replicated scale.
+    params = {
+        "conv": rng.standard_normal((3, 3, 4, 2)).astype(np.float32),
+        "dense": rng.standard_normal((8, 6)).astype(np.float32),
+        "bias": rng.standard_normal((6,)).astype(np.float32),
+        "scale": rng.standard_normal((5,)).astype(np.float32),
+    }
+    specs = {
+        "conv": P(None, None, "data", "model"),
+        "dense": P("data", None),
+        "bias": P("model"),
+        "scale": P(),
+    }
+    steps = [
+        jax.tree.map(
+            lambda x, k=k: (k + 1.0) * rng.standard_normal(x.shape).astype(np.float32), params
+        )
+        for k in range(5)
+    ]
+    steps[3] = jax.tree.map(lambda x: 50.0 * x, steps[3])  # a spike
+    cases = {
+        "agc": lambda axis_name: optclip.agc(0.05, axis_name=axis_name),
+        "autoclip": lambda axis_name: optclip.autoclip(50.0, history=4, axis_name=axis_name),
+        "zclip": lambda axis_name: optclip.zclip(
+            warmup_steps=2, max_norm=None, axis_name=axis_name
+        ),
+    }
+    for name, make in cases.items():
+        one, sharded = make(None), make(specs)
+
+        def run_all(tx, params, grads_seq, axis_name):
+            state = tx.init(params)
+            outs = []
+            for grads in grads_seq:
+                updates, state = tx.update(grads, state, params)
+                outs.append(updates)
+            return outs, optax.tree.get(state, "global_norm"), optax.tree.get(state, "threshold")
+
+        want, want_norm, want_threshold = jax.jit(lambda p, g, tx=one: run_all(tx, p, g, None))(
+            params, steps
+        )
+        got, got_norm, got_threshold = smap(
+            lambda p, g, tx=sharded: run_all(tx, p, g, specs),
+            mesh,
+            (specs, [specs] * len(steps)),
+            ([specs] * len(steps), P(), P()),
+        )(put(params, specs, mesh), [put(g, specs, mesh) for g in steps])
+        check(f"adaptive/{name}/updates", got, want)
+        check(f"adaptive/{name}/global_norm", got_norm, want_norm)
+        check(f"adaptive/{name}/threshold", got_threshold, want_threshold)
+
+
 def main():
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
     if jax.device_count() != 8:
@@ -515,6 +575,8 @@ def main():
         overflow_checks()
     with group("pmap"):
         pmap_checks()
+    with group("adaptive"):
+        adaptive_checks()
     print("RESULT " + json.dumps(RESULTS))
 
 
