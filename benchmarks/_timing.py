@@ -1,0 +1,119 @@
+"""Interleaved side-by-side timers: run time in pairs, compile time of fresh functions.
+
+Every figure the suite reports is a ratio of two things measured in one process, close in
+time, so that the noise of a shared machine (other processes, frequency changes, page cache)
+falls on both sides alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Paired:
+    """Per-pair measurements of two (or more) contenders, in seconds."""
+
+    times: tuple[tuple[float, ...], ...]  # times[k] are the samples of contender k
+
+    @property
+    def medians(self) -> tuple[float, ...]:
+        return tuple(statistics.median(t) for t in self.times)
+
+    def ratio(self, k: int = 0, ref: int = 1) -> float:
+        """Median over pairs of ``time[k] / time[ref]``: the figure the suite reports."""
+        return statistics.median(a / b for a, b in zip(self.times[k], self.times[ref]))
+
+    def spread(self, k: int = 0, ref: int = 1) -> tuple[float, float]:
+        """Interquartile range of the per-pair ratios: how noisy the figure is."""
+        ratios = sorted(a / b for a, b in zip(self.times[k], self.times[ref]))
+        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+        return q[0], q[2]
+
+
+def _block(x: Any) -> Any:
+    return jax.block_until_ready(x)
+
+
+def _per_call(fn: Callable[[], Any], inner: int) -> float:
+    start = time.perf_counter()
+    out = None
+    for _ in range(inner):
+        out = fn()
+    _block(out)
+    return (time.perf_counter() - start) / inner
+
+
+def calibrate(fns: Sequence[Callable[[], Any]], min_sample_s: float) -> int:
+    """Calls per sample so that the slowest contender's sample takes about ``min_sample_s``."""
+    slowest = max(_per_call(fn, 1) for fn in fns)
+    return max(1, min(1000, round(min_sample_s / max(slowest, 1e-9))))
+
+
+def interleaved(
+    fns: Sequence[Callable[[], Any]],
+    *,
+    pairs: int = 15,
+    warmup: int = 2,
+    min_sample_s: float = 0.02,
+) -> Paired:
+    """Time zero-argument callables side by side.
+
+    Each callable must already be compiled (the warm-up calls absorb anything left). For each
+    of ``pairs`` rounds every contender runs once (``inner`` calls, timed to the last
+    ``block_until_ready``), and the order rotates from round to round so no side always goes
+    first. Returns the per-call times of every round.
+    """
+    for fn in fns:
+        for _ in range(warmup):
+            _block(fn())
+    inner = calibrate(fns, min_sample_s)
+    samples: list[list[float]] = [[] for _ in fns]
+    n = len(fns)
+    for r in range(pairs):
+        order = [(r + i) % n for i in range(n)]
+        if r % 2:
+            order.reverse()
+        for k in order:
+            samples[k].append(_per_call(fns[k], inner))
+    return Paired(tuple(tuple(s) for s in samples))
+
+
+def compile_time(make_fn: Callable[[], Callable[..., Any]], args: Sequence[Any]) -> float:
+    """Seconds to trace, lower and compile a fresh function on ``args``.
+
+    ``make_fn`` must return a new Python function object on every call, so that neither
+    jax's tracing caches nor its in-memory executable cache can answer from an earlier
+    compilation; ``jax.clear_caches()`` runs first for the same reason (it also drops what
+    earlier benchmarks compiled, so time run time before compile time). The persistent
+    compilation cache is off unless configured.
+    """
+    jax.clear_caches()  # inner jitted helpers would otherwise answer from their trace cache
+    fn = make_fn()
+    start = time.perf_counter()
+    jax.jit(fn).lower(*args).compile()
+    return time.perf_counter() - start
+
+
+def interleaved_compile(
+    makers: Sequence[Callable[[], Callable[..., Any]]],
+    args: Sequence[Any],
+    *,
+    pairs: int = 3,
+) -> Paired:
+    """Compile times of several function makers, interleaved and rotated like ``interleaved``."""
+    samples: list[list[float]] = [[] for _ in makers]
+    n = len(makers)
+    for r in range(pairs):
+        order = [(r + i) % n for i in range(n)]
+        if r % 2:
+            order.reverse()
+        for k in order:
+            samples[k].append(compile_time(makers[k], args))
+    return Paired(tuple(tuple(s) for s in samples))

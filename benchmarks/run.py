@@ -1,0 +1,503 @@
+"""optclip against optax's clipping, side by side, in one process.
+
+    python benchmarks/run.py                 # the full suite (a few minutes on 2 CPU cores)
+    python benchmarks/run.py --quick         # tiny shapes, few repetitions: a smoke test
+    python benchmarks/run.py --only step,norm --json results.json
+    python benchmarks/run.py --impl optax    # optax on both sides: checks the harness
+
+Every figure is a ratio of two contenders timed in the same process: interleaved rounds
+(the order rotates each round), the median over rounds of the per-round ratio, after
+compilation and warm-up. Compile times are of fresh function objects after
+``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
+memory, accuracy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import _impls  # noqa: E402
+import _timing  # noqa: E402
+import _trees  # noqa: E402
+
+SECTIONS = ("step", "overhead", "norm", "many_leaves", "bf16", "memory", "accuracy")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    quick: bool
+    shape: _trees.TransformerShape
+    pairs: int
+    compile_pairs: int
+    norm_leaves: tuple[int, int]  # many-leaves norm: (leaves, floats per leaf)
+    chain_leaves: tuple[int, int]  # many-leaves chain compile: (leaves, floats per leaf)
+    accuracy_leaves: tuple[int, ...]
+    accuracy_seeds: int
+    min_sample_s: float
+
+    @classmethod
+    def make(cls, quick: bool, pairs: int | None, compile_pairs: int | None) -> Config:
+        if quick:
+            return cls(
+                quick=True,
+                shape=_trees.TransformerShape.quick(),
+                pairs=pairs or 5,
+                compile_pairs=compile_pairs or 1,
+                norm_leaves=(200, 100),
+                chain_leaves=(100, 16),
+                accuracy_leaves=(10, 100, 1000),
+                accuracy_seeds=1,
+                min_sample_s=0.005,
+            )
+        return cls(
+            quick=False,
+            shape=_trees.TransformerShape(),
+            pairs=pairs or 15,
+            compile_pairs=compile_pairs or 3,
+            norm_leaves=(2000, 1000),
+            chain_leaves=(1000, 64),
+            accuracy_leaves=(10, 100, 1000),
+            accuracy_seeds=3,
+            min_sample_s=0.05,
+        )
+
+
+@dataclasses.dataclass
+class Row:
+    section: str
+    name: str
+    ours: float | None
+    ref: float | None
+    unit: str  # "s", "B" or "rel"
+    ratio: float | None
+    target: str  # human-readable, e.g. "<= 1.00"
+    passed: bool | None  # None: reported for context, no target
+    ref_name: str = "optax"
+    spread: tuple[float, float] | None = None  # interquartile range of per-pair ratios
+    note: str = ""
+
+
+def _ratio_row(section, name, paired, k, ref, limit, ref_name="optax", note="", target=None):
+    ratio = paired.ratio(k, ref)
+    med = paired.medians
+    return Row(
+        section=section,
+        name=name,
+        ours=med[k],
+        ref=med[ref],
+        unit="s",
+        ratio=ratio,
+        target=target or (f"<= {limit:.2f}" if limit is not None else ""),
+        passed=None if limit is None else ratio <= limit,
+        ref_name=ref_name,
+        spread=paired.spread(k, ref),
+        note=note,
+    )
+
+
+class Suite:
+    def __init__(self, cfg: Config, side: _impls.Side):
+        self.cfg = cfg
+        self.side = side
+        self.rows: list[Row] = []
+        self._cache: dict[Any, Any] = {}
+
+    def log(self, msg: str) -> None:
+        print(f"  [{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------ shared pieces
+
+    def transformer(self, dtype) -> Any:
+        key = ("tree", jnp.dtype(dtype).name)
+        if key not in self._cache:
+            shapes = _trees.transformer_shapes(self.cfg.shape)
+            self._cache[key] = _trees.random_tree(shapes, dtype)
+        return self._cache[key]
+
+    def optimizers(self) -> dict[str, optax.GradientTransformation]:
+        return {
+            "ours": optax.chain(self.side.global_clip(1.0), optax.adam(1e-3)),
+            "optax": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+            "adam": optax.adam(1e-3),
+        }
+
+    def steps(self, dtype) -> tuple[dict[str, Any], Any]:
+        """Jitted ``update`` of each optimizer, state donated; and the gradient tree."""
+        grads = self.transformer(dtype)
+        out = {}
+        for name, opt in self.optimizers().items():
+            fn = jax.jit(opt.update, donate_argnums=(1,))
+            out[name] = (fn, opt.init(grads))
+        return out, grads
+
+    def step_timing(self, dtype) -> _timing.Paired:
+        """One three-way interleaved measurement: [ours chain, optax chain, bare adam]."""
+        key = ("step", jnp.dtype(dtype).name)
+        if key in self._cache:
+            return self._cache[key]
+        steps, grads = self.steps(dtype)
+        self.log(
+            f"step timing ({jnp.dtype(dtype).name}, {_trees.n_params(grads):,} params, "
+            f"{len(jax.tree.leaves(grads))} leaves)"
+        )
+        runners = []
+        for name in ("ours", "optax", "adam"):
+            fn, state = steps[name]
+            box = [state]
+
+            def run(fn=fn, box=box):
+                updates, box[0] = fn(grads, box[0])
+                return updates
+
+            runners.append(run)
+        paired = _timing.interleaved(
+            runners, pairs=self.cfg.pairs, min_sample_s=self.cfg.min_sample_s
+        )
+        self._cache[key] = paired
+        return paired
+
+    # ------------------------------------------------------------------ sections
+
+    def step(self) -> None:
+        p = self.step_timing(jnp.float32)
+        self.rows.append(_ratio_row("step", "clip+adam step, float32", p, 0, 1, 1.00))
+
+    def overhead(self) -> None:
+        p = self.step_timing(jnp.float32)
+        floor = 7 / 6  # adam moves 6 arrays (reads g, mu, nu; writes u, mu, nu); +1 read of g
+        row = _ratio_row(
+            "overhead",
+            "clip+adam over bare adam",
+            p,
+            0,
+            2,
+            1.20,
+            ref_name="adam",
+            target=f"<= 1.20 (floor {floor:.2f})",
+        )
+        ref = p.ratio(1, 2)
+        row.note = f"optax's chain: {ref:.2f}x adam"
+        self.rows.append(row)
+
+    def bf16(self) -> None:
+        p = self.step_timing(jnp.bfloat16)
+        row = _ratio_row("bf16", "clip+adam step, bfloat16", p, 0, 1, 1.00)
+        row.note = f"over bare adam: ours {p.ratio(0, 2):.2f}x, optax {p.ratio(1, 2):.2f}x"
+        self.rows.append(row)
+
+    def norm(self) -> None:
+        grads = self.transformer(jnp.float32)
+        flat = jnp.concatenate([x.ravel() for x in jax.tree.leaves(grads)])
+        flat.block_until_ready()
+        ours = jax.jit(self.side.global_norm)
+        floor = jax.jit(lambda x: jnp.sqrt(jnp.sum(jnp.square(x))))
+        ref = jax.jit(optax.tree.norm)
+        self.log(f"norm timing ({flat.size:,} floats)")
+        p = _timing.interleaved(
+            [lambda: ours(grads), lambda: floor(flat), lambda: ref(grads)],
+            pairs=self.cfg.pairs,
+            min_sample_s=self.cfg.min_sample_s,
+        )
+        row = _ratio_row(
+            "norm", "global_norm vs flat sum of squares", p, 0, 1, 1.10, ref_name="flat array"
+        )
+        row.note = f"optax.tree.norm: {p.ratio(2, 1):.2f}x the floor"
+        self.rows.append(row)
+
+    def many_leaves(self) -> None:
+        cfg = self.cfg
+        n, size = cfg.norm_leaves
+        tree = _trees.many_leaves(n, size)
+        ours = jax.jit(self.side.global_norm)
+        ref = jax.jit(optax.tree.norm)
+        self.log(f"many leaves: norm run time ({n} x {size})")
+        p = _timing.interleaved(
+            [lambda: ours(tree), lambda: ref(tree)], pairs=cfg.pairs, min_sample_s=cfg.min_sample_s
+        )
+        self.rows.append(_ratio_row("many_leaves", f"norm run, {n} leaves x {size}", p, 0, 1, 0.50))
+
+        # Chain run time, 1000 x 64, before any compile timing clears the caches.
+        n2, size2 = cfg.chain_leaves
+        small = _trees.many_leaves(n2, size2, seed=1)
+        opts = self.optimizers()
+        runners = []
+        for name in ("ours", "optax"):
+            fn = jax.jit(opts[name].update)
+            state = opts[name].init(small)
+            runners.append(lambda fn=fn, state=state: fn(small, state))
+        self.log(f"many leaves: chain run time ({n2} x {size2})")
+        p = _timing.interleaved(runners, pairs=cfg.pairs, min_sample_s=cfg.min_sample_s)
+        self.rows.append(
+            _ratio_row("many_leaves", f"clip+adam run, {n2} leaves x {size2}", p, 0, 1, 1.00)
+        )
+
+        self.log(f"many leaves: norm compile time ({n} x {size}, {cfg.compile_pairs} pairs)")
+        side = self.side
+        pc = _timing.interleaved_compile(
+            [lambda: lambda t: side.global_norm(t), lambda: lambda t: optax.tree.norm(t)],
+            (tree,),
+            pairs=cfg.compile_pairs,
+        )
+        self.rows.append(
+            _ratio_row(
+                "many_leaves",
+                f"norm compile, {n} leaves x {size}",
+                pc,
+                0,
+                1,
+                0.10,
+                note=f"{cfg.compile_pairs} pairs",
+            )
+        )
+
+        self.log(f"many leaves: chain compile time ({n2} x {size2}, {cfg.compile_pairs} rounds)")
+
+        def maker(make_opt: Callable[[], optax.GradientTransformation]):
+            def make():
+                opt = make_opt()
+                return lambda g, s: opt.update(g, s)
+
+            return make
+
+        makers = [
+            maker(lambda: optax.chain(side.global_clip(1.0), optax.adam(1e-3))),
+            maker(lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))),
+            maker(lambda: optax.adam(1e-3)),
+        ]
+        states = [opts[name].init(small) for name in ("ours", "optax", "adam")]
+        samples: list[list[float]] = [[], [], []]
+        for r in range(cfg.compile_pairs):
+            order = [(r + i) % 3 for i in range(3)]
+            for k in order:
+                samples[k].append(_timing.compile_time(makers[k], (small, states[k])))
+        ours_add = [a - c for a, c in zip(samples[0], samples[2])]
+        ref_add = [b - c for b, c in zip(samples[1], samples[2])]
+        ours_m, ref_m = statistics.median(ours_add), statistics.median(ref_add)
+        ratio = ours_m / ref_m if ref_m > 0 else math.inf
+        self.rows.append(
+            Row(
+                section="many_leaves",
+                name=f"added compile of clip+adam over adam, {n2} x {size2}",
+                ours=ours_m,
+                ref=ref_m,
+                unit="s",
+                ratio=ratio,
+                target="<= 0.50",
+                passed=ratio <= 0.50,
+                note=f"adam alone {statistics.median(samples[2]):.2f}s; {cfg.compile_pairs} rounds",
+            )
+        )
+
+    def memory(self) -> None:
+        for dtype in (jnp.float32, jnp.bfloat16):
+            self.log(f"memory analysis of the jitted step ({jnp.dtype(dtype).name})")
+            grads = self.transformer(dtype)
+            opts = self.optimizers()
+            peaks, temps = {}, {}
+            for name, opt in opts.items():
+                state = opt.init(grads)
+                fn = jax.jit(opt.update, donate_argnums=(1,))
+                mem = fn.lower(grads, state).compile().memory_analysis()
+                peaks[name] = (
+                    mem.argument_size_in_bytes
+                    + mem.output_size_in_bytes
+                    - mem.alias_size_in_bytes
+                    + mem.temp_size_in_bytes
+                )
+                temps[name] = mem.temp_size_in_bytes
+            dname = jnp.dtype(dtype).name
+            self.rows.append(
+                Row(
+                    section="memory",
+                    name=f"peak of jitted step, {dname}",
+                    ours=peaks["ours"],
+                    ref=peaks["optax"],
+                    unit="B",
+                    ratio=peaks["ours"] / peaks["optax"],
+                    target="<= 1.00",
+                    passed=peaks["ours"] <= peaks["optax"],
+                    note=(
+                        f"args+out-alias+temp; temp ours {_fmt_bytes(temps['ours'])}, optax "
+                        f"{_fmt_bytes(temps['optax'])}; bare adam peak "
+                        f"{_fmt_bytes(peaks['adam'])}"
+                    ),
+                )
+            )
+
+    def accuracy(self) -> None:
+        cfg = self.cfg
+        ours = jax.jit(self.side.global_norm)
+        ref = optax.tree.norm if cfg.quick else jax.jit(optax.tree.norm)
+        for dtype in (jnp.bfloat16, jnp.float16):
+            for n in cfg.accuracy_leaves:
+                self.log(f"accuracy: {jnp.dtype(dtype).name}, {n} leaves")
+                err_ours, err_ref = 0.0, 0.0
+                for seed in range(cfg.accuracy_seeds):
+                    tree = _trees.accuracy_tree(n, dtype, seed=seed)
+                    exact = _trees.float64_norm(tree)
+                    err_ours = max(err_ours, abs(float(ours(tree)) - exact) / exact)
+                    err_ref = max(err_ref, abs(float(ref(tree)) - exact) / exact)
+                self.rows.append(
+                    Row(
+                        section="accuracy",
+                        name=f"norm rel. error, {jnp.dtype(dtype).name}, {n} leaves",
+                        ours=err_ours,
+                        ref=err_ref,
+                        unit="rel",
+                        ratio=None,
+                        target="ours <= 1e-06",
+                        passed=err_ours <= 1e-6,
+                        note=f"max over {cfg.accuracy_seeds} seeds"
+                        + ("; optax eager" if cfg.quick else ""),
+                    )
+                )
+
+
+# ---------------------------------------------------------------------- output
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= scale:
+            return f"{b / scale:.1f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
+    if unit == "B":
+        return _fmt_bytes(value)
+    return f"{value:.2e}"
+
+
+def format_table(rows: list[Row], side_name: str) -> str:
+    header = ["benchmark", side_name, "reference", "ratio", "IQR", "target", "result", "note"]
+    body = []
+    for r in rows:
+        result = {True: "PASS", False: "MISS", None: "info"}[r.passed]
+        body.append(
+            [
+                r.name,
+                _fmt(r.ours, r.unit),
+                f"{_fmt(r.ref, r.unit)} ({r.ref_name})",
+                "-" if r.ratio is None else f"{r.ratio:.3f}",
+                "-" if r.spread is None else f"{r.spread[0]:.2f}-{r.spread[1]:.2f}",
+                r.target,
+                result,
+                r.note,
+            ]
+        )
+    widths = [max(len(str(x[i])) for x in [header, *body]) for i in range(len(header))]
+    lines = [
+        " | ".join(h.ljust(w) for h, w in zip(header, widths)),
+        "-|-".join("-" * w for w in widths),
+    ]
+    lines += [" | ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "nproc": os.cpu_count(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "optax": optax.__version__,
+        "numpy": np.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {SECTIONS}")
+    parser.add_argument("--json", default=None, help="write the results to this path")
+    parser.add_argument("--pairs", type=int, default=None, help="timed rounds per figure")
+    parser.add_argument("--compile-pairs", type=int, default=None, help="rounds of compile timing")
+    parser.add_argument(
+        "--impl",
+        default="optclip",
+        choices=("optclip", "optax"),
+        help="library under test; 'optax' checks the harness (ratios ~1)",
+    )
+    args = parser.parse_args(argv)
+
+    only = [s.strip() for s in args.only.split(",") if s.strip()] or list(SECTIONS)
+    unknown = sorted(set(only) - set(SECTIONS))
+    if unknown:
+        parser.error(f"unknown section(s) {unknown}; choose from {SECTIONS}")
+
+    cfg = Config.make(args.quick, args.pairs, args.compile_pairs)
+    side = _impls.resolve(args.impl)
+    info = machine()
+    command = "python " + " ".join([os.path.relpath(__file__), *sys.argv[1:]])
+    print(
+        f"optclip benchmarks: {side.name} vs optax {optax.__version__}, jax {jax.__version__}"
+        f", {info['nproc']} x {info['cpu']}; mode {'quick' if cfg.quick else 'full'}, "
+        f"{cfg.pairs} pairs",
+        flush=True,
+    )
+
+    suite = Suite(cfg, side)
+    start = time.perf_counter()
+    for name in SECTIONS:
+        if name in only:
+            getattr(suite, name)()
+    elapsed = time.perf_counter() - start
+
+    print(format_table(suite.rows, side.name))
+    misses = [r.name for r in suite.rows if r.passed is False]
+    print(
+        f"\n{sum(r.passed is True for r in suite.rows)} targets met, {len(misses)} missed"
+        f" ({elapsed:.0f} s)."
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {
+                    "command": command,
+                    "machine": info,
+                    "impl": side.name,
+                    "config": dataclasses.asdict(cfg),
+                    "elapsed_s": elapsed,
+                    "rows": [dataclasses.asdict(r) for r in suite.rows],
+                },
+                f,
+                indent=1,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
