@@ -113,10 +113,12 @@ def magnitude_power(x, p, inverse_scale=None):
 
 
 def _largest_part(x, axes, keepdims):
-    """The largest ``|component|`` (a scale within a factor sqrt(2) of the largest magnitude)."""
-    parts = [jnp.abs(c) for c in _parts(x)]
+    """The largest ``|component|`` (a scale within a factor sqrt(2) of the largest magnitude),
+    in the accumulation dtype. The maximum is exact in the leaf's own dtype, so it is taken
+    there and only the result is converted."""
+    parts = [jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))] if jnp.iscomplexobj(x) else [jnp.abs(x)]
     a = parts[0] if len(parts) == 1 else jnp.maximum(*parts)
-    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0)
+    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0).astype(accum_dtype(x.dtype))
 
 
 def _largest_magnitude(x, axes, keepdims):
@@ -285,32 +287,39 @@ def _sharding_key(x):
         return None
 
 
-def _batches(leaves, leaf_axes):
-    """Arrays to reduce: big leaves alone, small ones stacked with their like (shape, dtype, axes).
+def _stack_leaves(leaves, leaf_axes) -> tuple[list, list]:
+    """The arrays to reduce: big leaves alone, small ones stacked with their like (shape, dtype,
+    mesh axes, sharding), at most `STACK_CHUNK` to a stack; and each array's mesh axes.
 
-    Yields ``(array, mesh_axes)``; every element of every leaf is in exactly one array.
+    Every element of every leaf is in exactly one array. Stacking comes first, before any
+    elementwise work, so that the norm's program has a few operations per stack rather than a
+    few per leaf (with 2000 leaves, that is the difference between ~1 s and ~1 min of
+    compilation on CPU).
     """
-    groups: dict = {}
+    arrays, array_axes, groups = [], [], {}
     for x, axes in zip(leaves, leaf_axes):
         if x.size > STACK_MAX_SIZE:
-            yield x, axes
+            arrays.append(x)
+            array_axes.append(axes)
             continue
         key = (x.shape, x.dtype, axes, _sharding_key(x))
         groups.setdefault(key, []).append(x)
     for (_, _, axes, _), xs in groups.items():
         for start in range(0, len(xs), STACK_CHUNK):
             chunk = xs[start : start + STACK_CHUNK]
-            yield (chunk[0] if len(chunk) == 1 else jnp.stack(chunk)), axes
+            arrays.append(chunk[0] if len(chunk) == 1 else jnp.stack(chunk))
+            array_axes.append(axes)
+    return arrays, array_axes
 
 
-def _combine(leaves, leaf_axes, reduce_fn, how: str, dtype):
-    """Reduces every leaf to a scalar with `reduce_fn`, then across leaves and devices.
+def _combine(arrays, array_axes, reduce_fn, how: str, dtype):
+    """Reduces every array to a scalar with `reduce_fn`, then across arrays and devices.
 
-    `how` is "sum" or "max". Partials of leaves split over the same mesh axes are combined
+    `how` is "sum" or "max". Partials of arrays split over the same mesh axes are combined
     first and all-reduced once over those axes.
     """
     by_axes: dict = {}
-    for array, axes in _batches(leaves, leaf_axes):
+    for array, axes in zip(arrays, array_axes):
         by_axes.setdefault(axes, []).append(reduce_fn(array).astype(dtype))
     totals = []
     for axes, parts in by_axes.items():
@@ -324,7 +333,8 @@ def _combine(leaves, leaf_axes, reduce_fn, how: str, dtype):
 
 
 def _tree_norm(leaves, leaf_axes, p, dtype):
-    """The global norm for a static order, or a traced finite one."""
+    """The global norm of already stacked `leaves` for a static order, or a traced finite
+    one."""
     if _is_static(p) and p == math.inf:
         return _combine(
             leaves, leaf_axes, lambda a: _largest_magnitude(a, None, False), "max", dtype
@@ -372,6 +382,7 @@ def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
     dtype = widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
         return jnp.zeros((), dtype)
+    leaves, leaf_axes = _stack_leaves(leaves, leaf_axes)
     if _is_static(p):
         return _tree_norm(leaves, leaf_axes, p, dtype)
     return _tree_norm_traced(leaves, leaf_axes, p, dtype)
