@@ -430,7 +430,8 @@ def zclip(
       alpha: EMA smoothing :math:`\alpha` in (0, 1) (default 0.97).
       z_thresh: :math:`z_{thr} > 0` (default 2.5).
       max_norm: an absolute cap on the norm, applied at every step, warm-up included (default
-        1.0, as in the reference); ``None`` turns it off. Negative values mean zero.
+        1.0, as in the reference); ``None`` turns it off. Negative values mean zero. May be an
+        Optax schedule of the step count (every update counts, non-finite ones included).
       warmup_steps: how many finite norms initialise the statistics, an int >= 1 (default 25).
       mode: ``"zscore"`` (default) or ``"percentile"``.
       clip_option: with ``mode="zscore"``: ``"adaptive_scaling"`` (default) or ``"mean"``;
@@ -477,7 +478,7 @@ def zclip(
     _check_number(alpha, "alpha", "a number in (0, 1)", lambda v: 0 < v < 1)
     _check_number(z_thresh, "z_thresh", "a number > 0", lambda v: v > 0)
     if max_norm is not None:
-        _checks.check_scalar(max_norm, "max_norm")
+        _checks.check_threshold(max_norm, "max_norm")
     _check_count(warmup_steps, "warmup_steps", static=False)
     _checks.check_choice(mode, "mode", ("zscore", "percentile"))
     if mode == "zscore":
@@ -491,12 +492,16 @@ def zclip(
     _check_number(eps, "eps", "a number > 0", lambda v: v > 0)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero"))
 
+    def cap_at(step, dtype):
+        """The absolute cap at `step` (`max_norm`, its schedule's value, or inf)."""
+        cap = jnp.inf if max_norm is None else _transforms.threshold_at(max_norm, step)
+        return _functional.threshold_as(cap, dtype)
+
     def init_fn(params):
         dtype = _transforms.state_dtype(params)
-        cap = jnp.inf if max_norm is None else max_norm
         return ZClipState(
             global_norm=jnp.zeros((), dtype),
-            threshold=_functional.threshold_as(cap, dtype),
+            threshold=cap_at(_transforms.counter(), dtype),
             mean=jnp.zeros((), dtype),
             var=jnp.zeros((), dtype),
             count=_transforms.counter(),
@@ -510,8 +515,8 @@ def zclip(
         norm = _norms.global_norm_of(updates, 2.0, axis_name, "zclip").astype(dtype)
         finite = jnp.isfinite(norm)
         a, z_thr = _as(alpha, dtype), _as(z_thresh, dtype)
-        cap = jnp.inf if max_norm is None else max_norm
-        cap = _functional.threshold_as(cap, dtype)
+        # Steps so far: every update is counted in exactly one of the two.
+        cap = cap_at(state.count + state.nonfinite_count, dtype)
         mean, var = state.mean, state.var
         warming = state.count < warmup_steps
 

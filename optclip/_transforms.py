@@ -75,7 +75,7 @@ def _check_axes_static(axes) -> None:
         raise TypeError(f"`axes` must be None, an int or a sequence of ints, got {axes!r}.")
 
 
-def _threshold_at(max_norm, count):
+def threshold_at(max_norm, count):
     """The threshold for this step: `max_norm` itself or the schedule's value at `count`."""
     if callable(max_norm) and not isinstance(max_norm, jax.Array):
         return _checks.check_scalar(max_norm(count), "max_norm")
@@ -94,7 +94,7 @@ def _per_leaf_transform(clip_fn, max_norm):
         del params
         if not scheduled:
             return clip_fn(updates, max_norm), state
-        threshold = _threshold_at(max_norm, state.count)
+        threshold = threshold_at(max_norm, state.count)
         return clip_fn(updates, threshold), ScheduleState(optax.safe_increment(state.count))
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -267,7 +267,7 @@ def global_clip(
 
     def update_fn(updates, state, params=None):
         del params
-        threshold = _threshold_at(max_norm, state.count)
+        threshold = threshold_at(max_norm, state.count)
         norm = _norms.global_norm_of(updates, p, axis_name, "global_clip")
         updates = clip_to_threshold(updates, norm, threshold, nonfinite)
         threshold = _functional.threshold_as(threshold, norm.dtype)

@@ -104,11 +104,15 @@ def zclip_reference(
     """The reference implementation's `step` on a sequence of norms, in plain Python.
 
     Returns per step: the scale applied, mean, var (None during warm-up) and the spike flag.
-    The only change: the scale is `c / n` (the reference divides by `n + 1e-6`).
+    The only change: the scale is `c / n` (the reference divides by `n + 1e-6`). A callable
+    `max_norm` is a schedule of the step (optclip's extension), read at every step.
     """
     buffer, initialized, mean, var = [], False, None, None
     out = []
-    for n in norms:
+    schedule = max_norm if callable(max_norm) else None
+    for step, n in enumerate(norms):
+        if schedule is not None:
+            max_norm = float(schedule(step))
         if not initialized:
             buffer.append(n)
             if len(buffer) >= warmup_steps:
@@ -150,13 +154,19 @@ ZCLIP_CONFIGS = [
     dict(max_norm=1.5, warmup_steps=8, clip_factor=0.7, skip_update_on_spike=True),
     dict(max_norm=None, warmup_steps=6, mode="percentile", z_thresh=2.0, alpha=0.9),
     dict(max_norm=None, warmup_steps=5, mode="percentile", skip_update_on_spike=True),
+    # A schedule for the cap: loose at first, then tight enough to cap some ordinary steps.
+    dict(max_norm=optax.linear_schedule(3.0, 1.0, transition_steps=60), warmup_steps=8),
 ]
 
 
 @pytest.mark.parametrize(
     "config,how",
     cases(ZCLIP_CONFIGS),
-    ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) if isinstance(v, dict) else v,
+    ids=lambda v: (
+        ",".join(f"{k}={'schedule' if callable(x) else x}" for k, x in v.items())
+        if isinstance(v, dict)
+        else v
+    ),
 )
 def test_zclip_matches_reference(config, how):
     norms = norm_sequence()
