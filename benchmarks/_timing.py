@@ -56,6 +56,16 @@ def calibrate(fns: Sequence[Callable[[], Any]], min_sample_s: float) -> int:
     return max(1, min(1000, round(min_sample_s / max(slowest, 1e-9))))
 
 
+def rotated_orders(n: int, rounds: int):
+    """For each round, the order in which ``n`` contenders run: rotated by one each round and
+    reversed every other round, so that no contender always goes first or follows the same one."""
+    for r in range(rounds):
+        order = [(r + i) % n for i in range(n)]
+        if r % 2:
+            order.reverse()
+        yield order
+
+
 def interleaved(
     fns: Sequence[Callable[[], Any]],
     *,
@@ -75,11 +85,7 @@ def interleaved(
             _block(fn())
     inner = calibrate(fns, min_sample_s)
     samples: list[list[float]] = [[] for _ in fns]
-    n = len(fns)
-    for r in range(pairs):
-        order = [(r + i) % n for i in range(n)]
-        if r % 2:
-            order.reverse()
+    for order in rotated_orders(len(fns), pairs):
         for k in order:
             samples[k].append(_per_call(fns[k], inner))
     return Paired(tuple(tuple(s) for s in samples))
@@ -103,17 +109,14 @@ def compile_time(make_fn: Callable[[], Callable[..., Any]], args: Sequence[Any])
 
 def interleaved_compile(
     makers: Sequence[Callable[[], Callable[..., Any]]],
-    args: Sequence[Any],
+    args: Sequence[Sequence[Any]],
     *,
     pairs: int = 3,
 ) -> Paired:
-    """Compile times of several function makers, interleaved and rotated like ``interleaved``."""
+    """Compile times of several function makers (maker k on ``args[k]``), interleaved and
+    rotated like ``interleaved``."""
     samples: list[list[float]] = [[] for _ in makers]
-    n = len(makers)
-    for r in range(pairs):
-        order = [(r + i) % n for i in range(n)]
-        if r % 2:
-            order.reverse()
+    for order in rotated_orders(len(makers), pairs):
         for k in order:
-            samples[k].append(compile_time(makers[k], args))
+            samples[k].append(compile_time(makers[k], args[k]))
     return Paired(tuple(tuple(s) for s in samples))

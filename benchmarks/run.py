@@ -9,7 +9,7 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-memory, accuracy.
+per_example, memory, accuracy.
 """
 
 from __future__ import annotations
@@ -37,7 +37,16 @@ import _impls  # noqa: E402
 import _timing  # noqa: E402
 import _trees  # noqa: E402
 
-SECTIONS = ("step", "overhead", "norm", "many_leaves", "bf16", "memory", "accuracy")
+SECTIONS = (
+    "step",
+    "overhead",
+    "norm",
+    "many_leaves",
+    "bf16",
+    "per_example",
+    "memory",
+    "accuracy",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +60,7 @@ class Config:
     accuracy_leaves: tuple[int, ...]
     accuracy_seeds: int
     min_sample_s: float
+    per_example: tuple[int, int]  # per-example clipping: (examples, width of the dense layer)
 
     @classmethod
     def make(cls, quick: bool, pairs: int | None, compile_pairs: int | None) -> Config:
@@ -65,6 +75,7 @@ class Config:
                 accuracy_leaves=(10, 100, 1000),
                 accuracy_seeds=1,
                 min_sample_s=0.005,
+                per_example=(8, 32),
             )
         return cls(
             quick=False,
@@ -76,6 +87,7 @@ class Config:
             accuracy_leaves=(10, 100, 1000),
             accuracy_seeds=3,
             min_sample_s=0.05,
+            per_example=(64, 256),
         )
 
 
@@ -252,7 +264,7 @@ class Suite:
         side = self.side
         pc = _timing.interleaved_compile(
             [lambda: lambda t: side.global_norm(t), lambda: lambda t: optax.tree.norm(t)],
-            (tree,),
+            [(tree,), (tree,)],
             pairs=cfg.compile_pairs,
         )
         self.rows.append(
@@ -281,12 +293,8 @@ class Suite:
             maker(lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))),
             maker(lambda: optax.adam(1e-3)),
         ]
-        states = [opts[name].init(small) for name in ("ours", "optax", "adam")]
-        samples: list[list[float]] = [[], [], []]
-        for r in range(cfg.compile_pairs):
-            order = [(r + i) % 3 for i in range(3)]
-            for k in order:
-                samples[k].append(_timing.compile_time(makers[k], (small, states[k])))
+        args = [(small, opts[name].init(small)) for name in ("ours", "optax", "adam")]
+        samples = _timing.interleaved_compile(makers, args, pairs=cfg.compile_pairs).times
         ours_add = [a - c for a, c in zip(samples[0], samples[2])]
         ref_add = [b - c for b, c in zip(samples[1], samples[2])]
         ours_m, ref_m = statistics.median(ours_add), statistics.median(ref_add)
@@ -302,6 +310,40 @@ class Suite:
                 target="<= 0.50",
                 passed=ratio <= 0.50,
                 note=f"adam alone {statistics.median(samples[2]):.2f}s; {cfg.compile_pairs} rounds",
+            )
+        )
+
+    def per_example(self) -> None:
+        """Per-example clipping (DP-SGD style): `vmap` of the clip over a batch of gradients."""
+        cfg = self.cfg
+        n, width = cfg.per_example
+        shapes = {"w": (n, width, width), "b": (n, width)}
+        grads = _trees.random_tree(shapes, jnp.float32, seed=2, scale=1.0)
+
+        def per_example_clip(tx):
+            def clip(g):
+                updates, _ = tx.update(g, tx.init(g))
+                return updates
+
+            return jax.jit(jax.vmap(clip))
+
+        ours = per_example_clip(self.side.global_clip(1.0))
+        ref = per_example_clip(optax.clip_by_global_norm(1.0))
+        self.log(f"per-example clipping ({n} examples x ({width}x{width} + {width}))")
+        p = _timing.interleaved(
+            [lambda: ours(grads), lambda: ref(grads)],
+            pairs=cfg.pairs,
+            min_sample_s=cfg.min_sample_s,
+        )
+        self.rows.append(
+            _ratio_row(
+                "per_example",
+                f"vmap of global clip, {n} examples",
+                p,
+                0,
+                1,
+                None,
+                note="no target: per-example clipping must not run the overflow fallback",
             )
         )
 

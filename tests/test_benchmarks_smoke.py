@@ -33,9 +33,16 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
 
     results = json.loads(out.read_text())
     sections = {row["section"] for row in results["rows"]}
-    assert sections == {"step", "overhead", "norm", "many_leaves", "bf16", "memory", "accuracy"}, (
-        sections
-    )
+    assert sections == {
+        "step",
+        "overhead",
+        "norm",
+        "many_leaves",
+        "bf16",
+        "per_example",
+        "memory",
+        "accuracy",
+    }, sections
     accuracy = [row for row in results["rows"] if row["section"] == "accuracy"]
     assert len(accuracy) == 6  # {bfloat16, float16} x {10, 100, 1000} leaves
     for row in accuracy:
