@@ -78,7 +78,7 @@ def _check_axes_static(axes) -> None:
 def threshold_at(max_norm, count):
     """The threshold for this step: `max_norm` itself or the schedule's value at `count`."""
     if callable(max_norm) and not isinstance(max_norm, jax.Array):
-        return _checks.check_scalar(max_norm(count), "max_norm")
+        return _checks.check_scalar(max_norm(count), "max_norm(count)")
     return max_norm
 
 

@@ -226,6 +226,25 @@ def test_schedule_thresholds():
         np.testing.assert_allclose(norms, [1.0, 2.0, 3.0, 3.0], rtol=1e-6)
 
 
+def test_a_schedule_that_does_not_return_a_scalar_is_an_error():
+    def bad(count):
+        return jnp.ones(2) * count
+
+    x = jnp.array([3.0, 4.0])
+    for tx in (
+        optclip.global_clip(bad),
+        optclip.norm_clip(bad),
+        optclip.average_norm_clip(bad),
+        optclip.zclip(max_norm=bad),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=r"`max_norm\(count\)` must be a scalar, got an array "
+            r"of shape \(2,\)",
+        ):
+            tx.update(x, tx.init(x))
+
+
 def test_composes_with_masked_and_multi_transform():
     params = {"w": jnp.zeros(2), "b": jnp.zeros(2)}
     grads = {"w": jnp.array([3.0, 4.0]), "b": jnp.array([30.0, 40.0])}
