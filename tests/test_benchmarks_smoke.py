@@ -15,10 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_quick_suite_runs_and_prints_table(tmp_path):
     out = tmp_path / "results.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = dict(os.environ)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--quick", "--json", str(out)],
         cwd=ROOT,

@@ -36,15 +36,14 @@ QUICK_RUNS = {
 
 
 def start_example(name, args):
-    """Start `examples/name` in a fresh interpreter, with optclip importable from this checkout."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    """Start `examples/name` in a fresh interpreter (optclip as installed: `pip install -e .`)."""
     return subprocess.Popen(
         [sys.executable, str(EXAMPLES / name), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
+        env=dict(os.environ),
     )
 
 
