@@ -1,7 +1,16 @@
-"""Shared test fixtures."""
+"""Shared fixtures, and the two test tiers.
+
+``python -m pytest -q`` runs the fast tier: every test, with one case of each parametrized test
+(its first case that runs under `jit`), and the 8-device checks, whose worker process is
+started as soon as the tests are collected so that it runs on the second core meanwhile.
+``python -m pytest -q -m slow`` runs everything else: the other cases (eager runs, every dtype
+and size), the multi-process checks, the example scripts, the benchmark smoke run and the
+documentation build. CI runs both.
+"""
 
 import jax
 import pytest
+from _workers import launch
 
 
 @pytest.fixture(params=["eager", "jit"])
@@ -19,3 +28,38 @@ def strict_promotion():
     """
     with jax.numpy_dtype_promotion("strict"):
         yield
+
+
+def _representative(items):
+    """The one case of a parametrized test that the fast tier runs: the first that is not run
+    eagerly (eager cases cost the most and the jit path is the one training code takes)."""
+    for item in items:
+        if "eager" not in item.callspec.id.split("-"):
+            return item
+    return items[0]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Marks every case of a parametrized test but one as `slow` (unless the test is marked
+    `every_case`: cheap cases sharing one expensive fixture)."""
+    cases: dict = {}
+    for item in items:
+        if getattr(item, "callspec", None) is None or item.get_closest_marker("every_case"):
+            continue
+        cases.setdefault((item.path, item.originalname), []).append(item)
+    for group in cases.values():
+        keep = _representative(group)
+        for item in group:
+            if item is not keep:
+                item.add_marker(pytest.mark.slow)
+
+
+def pytest_collection_finish(session):
+    """Starts the 8-device worker now if a selected test needs it."""
+    if any("multidevice" in getattr(item, "fixturenames", ()) for item in session.items):
+        launch.start_multidevice()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launch.stop_all()

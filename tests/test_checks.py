@@ -105,9 +105,10 @@ def test_clipped_takes_at_most_one_clip():
 
 
 def test_unknown_policy_or_order_lists_the_accepted_values():
-    with pytest.raises(ValueError, match="`nonfinite` must be one of 'propagate', 'zero'; got"):
+    accepted = "`nonfinite` must be one of 'propagate', 'zero', 'raise'; got"
+    with pytest.raises(ValueError, match=accepted):
         optclip.global_clip(1.0, nonfinite="skip")
-    with pytest.raises(ValueError, match="'propagate', 'zero', 'skip'; got 'ignore'"):
+    with pytest.raises(ValueError, match="'propagate', 'zero', 'skip', 'raise'; got 'ignore'"):
         optclip.clipped(optax.sgd(1.0), nonfinite="ignore")
     for bad in (0, -1, "fro", np.nan, True, [2]):
         with pytest.raises(ValueError, match=r"`ord` must be 1, 2, inf .* or any number p > 0"):
@@ -131,3 +132,78 @@ def test_traced_axes_under_inject_hyperparams_says_what_to_do():
     opt = optax.inject_hyperparams(optclip.norm_clip, static_args=("axes",))(max_norm=1.0, axes=0)
     out, _ = jax.jit(opt.update)(jnp.full((2, 2), 3.0), opt.init(jnp.ones((2, 2))))
     np.testing.assert_allclose(out, np.full((2, 2), 2**-0.5), rtol=1e-6)
+
+
+NAN = float("nan")
+
+# (call with a NaN threshold, the argument the message must name)
+NAN_THRESHOLDS = {
+    "clip_by_norm": (lambda c: optclip.clip_by_norm(jnp.ones(2), c), "clip_norm"),
+    "clip_by_average_norm": (lambda c: optclip.clip_by_average_norm(jnp.ones(2), c), "clip_norm"),
+    "clip_by_block_rms": (lambda c: optclip.clip_by_block_rms(jnp.ones(2), c), "threshold"),
+    "clip_by_global_norm": (lambda c: optclip.clip_by_global_norm(jnp.ones(2), c), "clip_norm"),
+    "clip_by_value_min": (lambda c: optclip.clip_by_value(jnp.ones(2), c, 1.0), "clip_value_min"),
+    "clip_by_value_max": (lambda c: optclip.clip_by_value(jnp.ones(2), None, c), "clip_value_max"),
+    "norm_clip": (optclip.norm_clip, "max_norm"),
+    "average_norm_clip": (optclip.average_norm_clip, "max_norm"),
+    "block_rms_clip": (optclip.block_rms_clip, "threshold"),
+    "global_clip": (optclip.global_clip, "max_norm"),
+    "value_clip": (optclip.value_clip, "clip_value_min"),
+    "value_clip_max": (lambda c: optclip.value_clip(None, c), "clip_value_max"),
+    "zclip": (lambda c: optclip.zclip(max_norm=c), "max_norm"),
+    "clipnorm": (lambda c: optclip.clipped(optax.sgd(1.0), clipnorm=c), "clipnorm"),
+    "clipvalue": (lambda c: optclip.clipped(optax.sgd(1.0), clipvalue=c), "clipvalue"),
+    "global_clipnorm": (
+        lambda c: optclip.clipped(optax.sgd(1.0), global_clipnorm=c),
+        "global_clipnorm",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", NAN_THRESHOLDS)
+@pytest.mark.parametrize(
+    "nan", [NAN, np.float32(NAN), jnp.array(NAN, jnp.bfloat16)], ids=["float", "np32", "bf16"]
+)
+def test_a_nan_threshold_is_an_error_naming_the_argument(name, nan):
+    call, argument = NAN_THRESHOLDS[name]
+    bound = argument.startswith("clip_value")
+    accepted = "a bound is a number" if bound else "a threshold is a number"
+    with pytest.raises(ValueError, match=rf"`{argument}` must not be NaN, got .*; {accepted}"):
+        call(nan)
+
+
+def test_a_nan_threshold_known_under_jit_is_an_error_too():
+    with pytest.raises(ValueError, match="`clip_norm` must not be NaN, got nan"):
+        jax.jit(lambda g: optclip.clip_by_norm(g, NAN))(jnp.ones(2))
+    with pytest.raises(ValueError, match=r"`clip_value_max` must not be NaN, got Array\(\["):
+        optclip.clip_by_value(jnp.ones(2), 0.0, jnp.array([1.0, NAN]))
+
+
+def test_adaptive_thresholds_say_what_they_accept_for_nan():
+    with pytest.raises(ValueError, match="`clipping` must be a number >= 0, got nan"):
+        optclip.agc(clipping=NAN)
+    with pytest.raises(ValueError, match="`z_thresh` must be a number > 0, got nan"):
+        optclip.zclip(z_thresh=NAN)
+    with pytest.raises(ValueError, match=r"`percentile` must be a number in \[0, 100\], got nan"):
+        optclip.autoclip(percentile=NAN)
+
+
+def test_bounds_must_be_numbers_arrays_or_none():
+    with pytest.raises(TypeError, match="`clip_value_max` must be a real number, an array or None"):
+        optclip.clip_by_value(jnp.ones(2), 0.0, "1")
+
+
+@pytest.mark.parametrize(
+    "optimizer, received",
+    [
+        (optax.adam, r"got the function `adam` \(call it first\)"),
+        (optax.GradientTransformation, r"got the class `GradientTransformation`"),
+        (None, "got NoneType: None"),
+        ("adam", "got str: 'adam'"),
+        (optax.adam(1e-3).init, r"got the function `init_fn` \(call it first\)"),
+    ],
+)
+def test_clipped_needs_a_transformation_not_a_factory(optimizer, received):
+    accepted = r"`optimizer` must be an optax.GradientTransformation such as `optax.adam\(1e-3\)`"
+    with pytest.raises(TypeError, match=f"{accepted}; {received}"):
+        optclip.clipped(optimizer, clipnorm=1.0)

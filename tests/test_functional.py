@@ -15,6 +15,7 @@ from reference import (
     ref_clip_by_global_norm,
     ref_clip_by_norm,
     ref_global_norm,
+    ref_scale,
     run,
 )
 
@@ -132,6 +133,7 @@ ALL_CLIPS = {
     "norm": optclip.clip_by_norm,
     "norm_rows": lambda t, c: optclip.clip_by_norm(t, c, axes=-1),
     "average": optclip.clip_by_average_norm,
+    "block_rms": optclip.clip_by_block_rms,
 }
 
 
@@ -168,18 +170,18 @@ def test_gradients_are_finite_and_identity_at_zero(name, at):
         "clipped": jnp.arange(6.0).reshape(2, 3) - 2.0,
         "unclipped": (jnp.arange(6.0).reshape(2, 3) - 2.0) * 1e-3,
     }[at]
-    jac = jax.jacobian(lambda t: ALL_CLIPS[name](t, 0.5))(x).reshape(6, 6)
+    jac = jax.jit(jax.jacobian(lambda t: ALL_CLIPS[name](t, 0.5)))(x).reshape(6, 6)
     assert np.all(np.isfinite(np.asarray(jac)))
     if at != "clipped":
         np.testing.assert_allclose(jac, np.eye(6), atol=1e-7)
     # Gradient with respect to the threshold too (meta-learning).
-    dthreshold = jax.grad(lambda c: jnp.sum(ALL_CLIPS[name](x, c)))(0.5)
+    dthreshold = jax.jit(jax.grad(lambda c: jnp.sum(ALL_CLIPS[name](x, c))))(0.5)
     assert np.isfinite(float(dthreshold))
 
 
 def test_gradient_of_clip_by_global_norm_when_clipping():
     x = jnp.array([3.0, 4.0])
-    jac = jax.jacobian(lambda t: optclip.clip_by_global_norm(t, 1.0)[0])(x)
+    jac = jax.jit(jax.jacobian(lambda t: optclip.clip_by_global_norm(t, 1.0)[0]))(x)
     xx = np.array([3.0, 4.0])
     expected = (np.eye(2) - np.outer(xx, xx) / 25) / 5  # d(c x / |x|)/dx with c = 1
     np.testing.assert_allclose(jac, expected, rtol=1e-6)
@@ -267,3 +269,121 @@ def test_per_example_clipping_with_vmap():
     x = jnp.array([[3.0, 4.0], [0.3, 0.4], [0.0, 0.0], [3e20, 4e20]])
     out = jax.jit(jax.vmap(lambda g: optclip.clip_by_global_norm(g, 1.0)[0]))(x)
     np.testing.assert_allclose(out, [[0.6, 0.8], [0.3, 0.4], [0.0, 0.0], [0.6, 0.8]], rtol=1e-6)
+
+
+# Open bounds in clip_by_value (optax.tree.clip's None) ---------------------------------------
+
+
+def _ref_clip_by_value(x, lo, hi):
+    x = as_f64(x)
+    x = x if lo is None else np.maximum(x, lo)
+    return x if hi is None else np.minimum(x, hi)
+
+
+@pytest.mark.parametrize("lo, hi", [(None, 1.5), (-0.5, None), (None, None)])
+def test_clip_by_value_with_an_open_bound(lo, hi, mode):
+    tree = {"f": jnp.array([-3.0, 0.25, 7.0], jnp.bfloat16), "g": jnp.array([[-2.0, 2.0]])}
+    out = run(lambda t: optclip.clip_by_value(t, lo, hi), mode)(tree)
+    for key in tree:
+        assert out[key].dtype == tree[key].dtype
+        np.testing.assert_array_equal(as_f64(out[key]), _ref_clip_by_value(tree[key], lo, hi))
+    # Both bounds open: the tree comes back unchanged, as with optax.tree.clip.
+    if lo is None and hi is None:
+        assert out["g"] is tree["g"] or mode == "jit"
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.uint8, jnp.int32, jnp.uint32])
+@pytest.mark.parametrize(
+    "lo, hi", [(-1.5, np.inf), (-np.inf, 3.7), (-np.inf, np.inf), (None, 3e9), (-3e9, None)]
+)
+def test_infinite_and_huge_bounds_saturate_for_integer_leaves(dtype, lo, hi, mode):
+    info = jnp.iinfo(dtype)
+    x = jnp.array([info.min, 0, 5, info.max], dtype)
+    out = run(lambda t: optclip.clip_by_value(t, lo, hi), mode)(x)
+    assert out.dtype == dtype
+    expected = _ref_clip_by_value(
+        np.asarray(x), None if lo is None else np.ceil(lo), None if hi is None else np.floor(hi)
+    )
+    np.testing.assert_array_equal(np.asarray(out, np.float64), expected)
+
+
+def test_integer_bounds_of_another_integer_dtype(mode):
+    x = jnp.array([0, 7, 4294967295], jnp.uint32)
+    out = run(lambda t: optclip.clip_by_value(t, -1, jnp.array(6, jnp.int8)), mode)(x)
+    assert out.dtype == jnp.uint32
+    np.testing.assert_array_equal(out, [0, 6, 6])
+
+
+# Block RMS (optax.clip_by_block_rms) ----------------------------------------------------------
+
+
+def _ref_clip_by_block_rms(x, threshold):
+    x = as_f64(x)
+    rms = np.sqrt(np.mean(np.abs(x) ** 2)) if x.size else 0.0
+    return x * ref_scale(rms, threshold)
+
+
+@pytest.mark.parametrize("dtype", FLOATS + [jnp.complex64])
+def test_clip_by_block_rms_matches_reference(dtype, mode):
+    tree = _tree(jnp.float32, seed=5)
+    if dtype == jnp.complex64:
+        tree = jax.tree.map(lambda x: x.astype(dtype) * (1 - 2j), tree)
+    tree = jax.tree.map(lambda x: x.astype(dtype), tree)
+    f = run(optclip.clip_by_block_rms, mode)
+    for threshold in (0.05, 1.0, 1e4):  # traced under jit: one compilation
+        out = f(tree, threshold)
+        for leaf, x in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+            assert leaf.dtype == dtype and leaf.shape == x.shape
+            assert_close(leaf, _ref_clip_by_block_rms(x, threshold), dtype)
+
+
+def test_clip_by_block_rms_agrees_with_optax(mode):
+    tree = _tree(jnp.float32, seed=6)
+    f = run(optclip.clip_by_block_rms, mode)
+    for threshold in (0.1, 1.0, 100.0):
+        theirs, _ = optax.clip_by_block_rms(threshold).update(tree, optax.EmptyState())
+        for a, b in zip(jax.tree.leaves(f(tree, threshold)), jax.tree.leaves(theirs)):
+            np.testing.assert_allclose(a, b, rtol=4e-6)
+
+
+def test_clip_by_block_rms_where_it_differs_from_optax_on_purpose(mode):
+    f = run(optclip.clip_by_block_rms, mode)
+    # float16 squares that overflow: the true RMS (300), not zeros.
+    half = f(jnp.full((4,), 300.0, jnp.float16), 1.0)
+    assert half.dtype == jnp.float16
+    np.testing.assert_allclose(as_f64(half), [1.0] * 4, rtol=1e-3)
+    # A negative threshold is zero (TensorFlow), zero input stays zero at a zero threshold.
+    np.testing.assert_array_equal(f(jnp.array([3.0, 4.0]), -1.0), [0.0, 0.0])
+    np.testing.assert_array_equal(f(jnp.zeros(2), 0.0), [0.0, 0.0])
+    # A leaf whose RMS is not finite is NaN as a whole; the other leaves are clipped alone.
+    out = f({"a": jnp.array([np.inf, 1.0]), "b": jnp.array([3.0, 4.0])}, 1.0)
+    assert np.all(np.isnan(np.asarray(out["a"])))
+    np.testing.assert_allclose(out["b"], _ref_clip_by_block_rms([3.0, 4.0], 1.0), rtol=1e-6)
+
+
+# NaN thresholds: a concrete NaN is an error, a traced one makes the result NaN -----------------
+
+FUNCTIONS_OF_A_THRESHOLD = {
+    "clip_by_norm": optclip.clip_by_norm,
+    "clip_by_average_norm": optclip.clip_by_average_norm,
+    "clip_by_block_rms": optclip.clip_by_block_rms,
+    "clip_by_global_norm": lambda t, c: optclip.clip_by_global_norm(t, c)[0],
+    "clip_by_value_min": lambda t, c: optclip.clip_by_value(t, c, None),
+    "clip_by_value_max": lambda t, c: optclip.clip_by_value(t, -1.0, c),
+}
+
+
+@pytest.mark.parametrize("name", FUNCTIONS_OF_A_THRESHOLD)
+@pytest.mark.parametrize("under", ["zero", "over"])
+def test_traced_nan_threshold_makes_every_leaf_nan(name, under):
+    tree = {"a": jnp.full((2,), 3.0 if under == "over" else 0.0), "b": jnp.ones(3, jnp.bfloat16)}
+    out = jax.jit(FUNCTIONS_OF_A_THRESHOLD[name])(tree, jnp.nan)
+    for leaf, x in zip(jax.tree.leaves(out), jax.tree.leaves(tree)):
+        assert leaf.dtype == x.dtype
+        assert np.all(np.isnan(as_f64(leaf)))  # never a silent "no clip"
+
+
+def test_nan_use_norm_is_a_norm_not_an_error(mode):
+    x = [jnp.array([3.0, 4.0])]
+    clipped, norm = run(lambda t: optclip.clip_by_global_norm(t, 1.0, use_norm=np.nan), mode)(x)
+    assert np.isnan(float(norm)) and np.all(np.isnan(np.asarray(clipped[0])))

@@ -1,23 +1,25 @@
-"""Multi-device and multi-process clipping (SPEC Part B, "Multi-device").
+"""Multi-device and multi-process clipping.
 
 JAX fixes its device count when it starts, and the other tests expect the default single CPU
 device, so the checks run in subprocesses (``tests/_workers/``), each starting JAX once and
 running many checks; every check compares a result with the float64 NumPy reference of the same
-global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding):
+global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding), or an error's text:
 
-* ``multidevice.py``, 8 CPU devices: jit over ``NamedSharding`` arrays on explicit and automatic
-  meshes (and the compiled HLO: scalar all-reduces, no all-gather); ``axis_name`` inside
-  ``shard_map`` and ``pmap`` in every accepted form; float16/bfloat16, overflow and underflow,
-  ``ord``; and optax's own clip inside ``shard_map`` using each device's local norm.
+* ``multidevice.py``, 8 CPU devices (fast tier; started by ``conftest.py`` when the tests are
+  collected): jit over ``NamedSharding`` arrays on explicit and automatic meshes (and the
+  compiled HLO: small all-reduces, no all-gather); ``axis_name`` inside ``shard_map`` and
+  ``pmap`` in every accepted form, checked (unbound axes, replicated leaves declared split,
+  undeclared axes) and inferred (``None``/``"auto"``); group norms; float16/bfloat16, overflow
+  and underflow, ``ord``; eager leaves on different devices; and optax's own clip inside
+  ``shard_map`` using each device's local norm.
 * ``distributed.py``, 2 processes x 2 CPU devices joined by ``jax.distributed`` over 127.0.0.1
-  (gloo collectives): a sharded gradient tree clipped inside a jitted
-  ``optax.chain(global_clip(...), optimizer)`` step, every process checked.
+  (gloo collectives; slow tier): a sharded gradient tree clipped inside a jitted
+  ``optax.chain(global_clip(...), optimizer)`` step and inside ``shard_map``, and per-leaf
+  norms, every process checked.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import pathlib
 import socket
 import subprocess
@@ -25,9 +27,10 @@ import sys
 import time
 
 import pytest
+from _workers import launch
 
-WORKERS = pathlib.Path(__file__).resolve().parent / "_workers"
-TIMEOUT_S = 240  # per subprocess; the whole file takes well under a minute on 2 cores
+WORKERS = launch.WORKERS
+TIMEOUT_S = launch.TIMEOUT_S
 
 MULTIDEVICE_GROUPS = [
     "jit-explicit",
@@ -51,29 +54,11 @@ MULTIDEVICE_GROUPS = [
     "shard_map-optax-differs",
     "pmap",
     "adaptive",
+    "axis-checks",
+    "auto",
+    "groups",
+    "devices",
 ]
-
-
-def _env(devices: int) -> dict:
-    """This environment with JAX on `devices` CPU devices."""
-    env = dict(os.environ)
-    flags = [
-        f
-        for f in env.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-    env["JAX_PLATFORMS"] = "cpu"
-    # jax.distributed's coordinator speaks gRPC, which would honour a proxy even for 127.0.0.1.
-    for name in ("no_proxy", "NO_PROXY"):
-        env[name] = ",".join(filter(None, [env.get(name), "127.0.0.1", "localhost"]))
-    return env
-
-
-def _result(stdout: str):
-    """The JSON a worker printed after ``RESULT``, or None."""
-    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
-    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
 
 
 def _free_port() -> int:
@@ -88,16 +73,16 @@ def _failures(results: dict, prefix: str = "") -> dict:
 
 @pytest.fixture(scope="module")
 def multidevice():
-    """Results of every check in one 8-device process."""
-    proc = subprocess.run(
-        [sys.executable, str(WORKERS / "multidevice.py")],
-        env=_env(8),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-    )
-    results = _result(proc.stdout)
-    assert proc.returncode == 0 and results is not None, proc.stderr[-5000:]
+    """Results of every check in one 8-device process (started by conftest.py as soon as the
+    tests were collected, so it has mostly run by now)."""
+    proc = launch.start_multidevice()
+    try:
+        stdout, stderr = proc.communicate(timeout=launch.TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launch.stop_all()
+        raise
+    results = launch.result(stdout)
+    assert proc.returncode == 0 and results is not None, stderr[-5000:]
     return results
 
 
@@ -119,7 +104,7 @@ def _run_distributed(num_processes: int, tmp_path: pathlib.Path):
                         str(num_processes),
                         str(port),
                     ],
-                    env=_env(2),
+                    env=launch.env_for(2),
                     stdout=out,
                     stderr=err,
                     text=True,
@@ -150,7 +135,7 @@ def distributed(tmp_path_factory):
     """Each process's results, from 2 processes x 2 CPU devices joined by jax.distributed."""
     for attempt in range(2):  # a second try only if the free port was taken meanwhile
         outputs = _run_distributed(2, tmp_path_factory.mktemp(f"distributed{attempt}"))
-        results = [_result(stdout) for _, stdout, _ in outputs]
+        results = [launch.result(stdout) for _, stdout, _ in outputs]
         if all(r is not None for r in results):
             break
     report = "\n\n".join(
@@ -168,6 +153,7 @@ def test_multidevice_checks_all_ran(multidevice):
     assert groups == set(MULTIDEVICE_GROUPS)
 
 
+@pytest.mark.every_case  # one worker run checks every group at once
 @pytest.mark.parametrize("group", MULTIDEVICE_GROUPS)
 def test_multidevice_equals_float64_reference(multidevice, group):
     checks = [name for name in multidevice if name.split("/")[0] == group]
@@ -186,6 +172,7 @@ def test_optax_clips_each_device_by_its_local_norm_and_optclip_does_not(multidev
     assert multidevice["shard_map-optax-differs/optclip_is_right"]["ok"]
 
 
+@pytest.mark.slow
 def test_jax_distributed_two_processes(distributed):
     for rank, out in enumerate(distributed):
         failures = _failures(out["results"])

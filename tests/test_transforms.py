@@ -45,6 +45,11 @@ def _ref_global_clip(tree, c):
     return [as_f64(x) * scale for x in leaves]
 
 
+def _ref_block_rms_clip(tree, c):
+    leaves = [as_f64(x) for x in jax.tree.leaves(tree)]
+    return [x * ref_scale(np.sqrt(np.mean(np.abs(x) ** 2)), c) for x in leaves]
+
+
 def _ref_sgd(reference):
     return lambda tree, c: [-0.1 * x for x in reference(tree, c)]
 
@@ -61,6 +66,7 @@ CONTRACT = {
         lambda: optclip.average_norm_clip(0.1),
         lambda t: [ref_clip_by_average_norm(x, 0.1) for x in jax.tree.leaves(t)],
     ),
+    "block_rms_clip": (lambda: optclip.block_rms_clip(0.5), lambda t: _ref_block_rms_clip(t, 0.5)),
     "global_clip": (lambda: optclip.global_clip(1.0), lambda t: _ref_global_clip(t, 1.0)),
     "global_clip_zero": (
         lambda: optclip.global_clip(1.0, nonfinite="zero"),
@@ -288,3 +294,150 @@ def test_training_loop_in_lax_scan_and_grad_through_the_update():
     # deviation from the target by 1 - 0.1 * 2.
     meta = jax.grad(lambda p0: jnp.sum(train(p0)[0]))(target)
     np.testing.assert_allclose(meta, [0.8**20, 0.8**20], rtol=1e-5)
+
+
+# block_rms_clip -------------------------------------------------------------------------------
+
+
+def test_block_rms_clip_schedule_and_inject_hyperparams():
+    x = {"w": jnp.full((2, 2), 3.0), "b": jnp.array([0.1, -0.1])}
+    schedule = optax.linear_schedule(1.0, 2.0, transition_steps=1)
+    tx = optclip.block_rms_clip(schedule)
+    state = tx.init(x)
+    step = jax.jit(tx.update)
+    for expected in (1.0, 2.0, 2.0):
+        out, state = step(x, state)
+        np.testing.assert_allclose(out["w"], np.full((2, 2), expected), rtol=1e-6)
+        np.testing.assert_array_equal(out["b"], x["b"])  # under the threshold: unchanged
+    opt = optax.inject_hyperparams(optclip.block_rms_clip)(threshold=1.0)
+    state = opt.init(x)
+    out, state = jax.jit(opt.update)(x, state)
+    np.testing.assert_allclose(out["w"], np.ones((2, 2)), rtol=1e-6)
+    state.hyperparams["threshold"] = jnp.asarray(0.5)
+    out, _ = jax.jit(opt.update)(x, state)
+    np.testing.assert_allclose(out["w"], np.full((2, 2), 0.5), rtol=1e-6)
+
+
+def test_block_rms_clip_agrees_with_optax_in_a_chain():
+    params = _tree(jnp.float32, seed=3)
+    grads = _tree(jnp.float32, seed=4, scale=3.0)
+    ours = optax.chain(optclip.block_rms_clip(0.3), optax.adam(1e-2))
+    theirs = optax.chain(optax.clip_by_block_rms(0.3), optax.adam(1e-2))
+    a, _ = jax.jit(ours.update)(grads, ours.init(params), params)
+    b, _ = jax.jit(theirs.update)(grads, theirs.init(params), params)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_allclose(x, y, rtol=1e-5)
+
+
+# Open bounds in value_clip --------------------------------------------------------------------
+
+
+def test_value_clip_open_bounds(mode):
+    tree = {"f": jnp.array([-3.0, 0.5, 2.0]), "i": jnp.array([-5, 1, 9], jnp.int32)}
+
+    def apply(tx):
+        return run(tx.update, mode)(tree, tx.init(tree))[0]
+
+    upper = apply(optclip.value_clip(None, 1.0))
+    np.testing.assert_array_equal(upper["f"], [-3.0, 0.5, 1.0])
+    np.testing.assert_array_equal(upper["i"], [-5, 1, 1])
+    lower = apply(optclip.value_clip(0.0, float("inf")))  # the documented lower-bound-only form
+    np.testing.assert_array_equal(lower["f"], [0.0, 0.5, 2.0])
+    np.testing.assert_array_equal(lower["i"], [0, 1, 9])
+    assert lower["i"].dtype == jnp.int32
+    symmetric = apply(optclip.value_clip(1.0, None))  # still [-v, v]
+    np.testing.assert_array_equal(symmetric["f"], [-1.0, 0.5, 1.0])
+    nothing = apply(optclip.value_clip(None))
+    for key in tree:
+        np.testing.assert_array_equal(nothing[key], tree[key])
+
+
+# NaN thresholds -------------------------------------------------------------------------------
+
+NAN_TRANSFORMS = {
+    "global_clip": lambda c: optclip.global_clip(c),
+    "norm_clip": lambda c: optclip.norm_clip(c),
+    "average_norm_clip": lambda c: optclip.average_norm_clip(c),
+    "block_rms_clip": lambda c: optclip.block_rms_clip(c),
+    "value_clip": lambda c: optclip.value_clip(c),
+    "clipped_clipnorm": lambda c: optclip.clipped(optax.sgd(1.0), clipnorm=c),
+    "clipped_clipvalue": lambda c: optclip.clipped(optax.sgd(1.0), clipvalue=c),
+    "clipped_global": lambda c: optclip.clipped(optax.sgd(1.0), global_clipnorm=c),
+}
+
+
+@pytest.mark.parametrize("name", NAN_TRANSFORMS)
+def test_traced_nan_threshold_makes_the_update_nan(name):
+    updates = {"a": jnp.array([0.3, 0.4]), "b": jnp.zeros(2, jnp.bfloat16)}
+    opt = optax.inject_hyperparams(NAN_TRANSFORMS[name])(c=1.0)
+    state = opt.init(updates)
+    state.hyperparams["c"] = jnp.asarray(np.nan)
+    out, _ = jax.jit(opt.update)(updates, state, updates)
+    for leaf in jax.tree.leaves(out):
+        assert np.all(np.isnan(as_f64(leaf)))  # never a silent "no clip"
+
+
+@pytest.mark.parametrize(
+    "factory", [optclip.norm_clip, optclip.global_clip, optclip.block_rms_clip]
+)
+def test_schedule_with_a_nan_value(factory):
+    def schedule(count):
+        return jnp.where(count < 1, 1.0, jnp.nan)
+
+    x = jnp.array([3.0, 4.0])
+    tx = factory(schedule)
+    state = tx.init(x)
+    out, state = tx.update(x, state)  # step 0: a number
+    name = "threshold" if factory is optclip.block_rms_clip else "max_norm"
+    with pytest.raises(ValueError, match=rf"`{name}\(count\)` must not be NaN, got"):
+        tx.update(x, state)  # step 1, eager: the value is known, so it is an error
+    out, _ = jax.jit(tx.update)(x, state)  # under jit it is traced: NaN updates
+    assert np.all(np.isnan(np.asarray(out)))
+
+
+# clipped: Keras' `<= 0` means off ---------------------------------------------------------------
+
+KERAS_ARGS = ["clipnorm", "clipvalue", "global_clipnorm"]
+
+
+@pytest.mark.parametrize("arg", KERAS_ARGS)
+@pytest.mark.parametrize("value", [0, np.float32(-0.5)])
+def test_clipped_non_positive_threshold_turns_the_clip_off(arg, value, mode):
+    g = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0, -12.0], jnp.bfloat16)}
+    opt = optclip.clipped(optax.sgd(1.0), **{arg: value})
+    updates, _ = run(opt.update, mode)(g, opt.init(g), g)
+    for out, x in zip(jax.tree.leaves(updates), jax.tree.leaves(g)):
+        assert out.dtype == x.dtype
+        np.testing.assert_array_equal(as_f64(out), -as_f64(x))  # plain SGD, nothing clipped
+
+
+@pytest.mark.parametrize("arg", KERAS_ARGS)
+def test_clipped_non_positive_traced_or_scheduled_threshold_turns_the_clip_off(arg):
+    g = jnp.array([3.0, 4.0])
+    clip = {"clipnorm": [0.6, 0.8], "clipvalue": [1.0, 1.0], "global_clipnorm": [0.6, 0.8]}[arg]
+
+    @jax.jit
+    def step(c):
+        opt = optclip.clipped(optax.sgd(1.0), **{arg: c})
+        return opt.update(g, opt.init(g), g)[0]
+
+    np.testing.assert_array_equal(step(0.0), [-3.0, -4.0])
+    np.testing.assert_array_equal(step(-2.0), [-3.0, -4.0])
+    np.testing.assert_allclose(step(1.0), -np.array(clip), rtol=1e-6)
+    opt = optax.inject_hyperparams(optclip.clipped)(optax.sgd(1.0), **{arg: 1.0})
+    state = opt.init(g)
+    state.hyperparams[arg] = jnp.asarray(0.0)
+    np.testing.assert_array_equal(jax.jit(opt.update)(g, state, g)[0], [-3.0, -4.0])
+    if arg != "clipvalue":  # clipvalue takes no schedule, as value_clip
+        opt = optclip.clipped(optax.sgd(1.0), **{arg: lambda count: jnp.where(count < 1, 0, 1.0)})
+        state = opt.init(g)
+        first, state = jax.jit(opt.update)(g, state, g)
+        second, _ = jax.jit(opt.update)(g, state, g)
+        np.testing.assert_array_equal(first, [-3.0, -4.0])
+        np.testing.assert_allclose(second, -np.array(clip), rtol=1e-6)
+
+
+def test_transforms_keep_tensorflow_semantics_for_a_zero_threshold(mode):
+    g = jnp.array([3.0, 4.0])
+    for tx in (optclip.norm_clip(0.0), optclip.global_clip(-1.0), optclip.value_clip(0.0)):
+        np.testing.assert_array_equal(run(tx.update, mode)(g, tx.init(g))[0], [0.0, 0.0])

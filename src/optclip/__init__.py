@@ -12,14 +12,21 @@ from optclip._adaptive import agc as agc
 from optclip._adaptive import autoclip as autoclip
 from optclip._adaptive import zclip as zclip
 from optclip._functional import clip_by_average_norm as clip_by_average_norm
+from optclip._functional import clip_by_block_rms as clip_by_block_rms
 from optclip._functional import clip_by_global_norm as clip_by_global_norm
 from optclip._functional import clip_by_norm as clip_by_norm
 from optclip._functional import clip_by_value as clip_by_value
 from optclip._functional import global_norm as global_norm
+from optclip._groups import GroupNorms as GroupNorms
+from optclip._metrics import metrics as metrics
+from optclip._per_example import per_example_clip as per_example_clip
+from optclip._per_example import per_example_layer_clip as per_example_layer_clip
 from optclip._transforms import ClippedState as ClippedState
 from optclip._transforms import GlobalClipState as GlobalClipState
+from optclip._transforms import NonFiniteNormError as NonFiniteNormError
 from optclip._transforms import ScheduleState as ScheduleState
 from optclip._transforms import average_norm_clip as average_norm_clip
+from optclip._transforms import block_rms_clip as block_rms_clip
 from optclip._transforms import clipped as clipped
 from optclip._transforms import global_clip as global_clip
 from optclip._transforms import norm_clip as norm_clip
@@ -32,19 +39,26 @@ __all__ = [
     "AutoClipState",
     "ClippedState",
     "GlobalClipState",
+    "GroupNorms",
+    "NonFiniteNormError",
     "ScheduleState",
     "ZClipState",
     "agc",
     "autoclip",
     "average_norm_clip",
+    "block_rms_clip",
     "clip_by_average_norm",
+    "clip_by_block_rms",
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
     "clipped",
     "global_clip",
     "global_norm",
+    "metrics",
     "norm_clip",
+    "per_example_clip",
+    "per_example_layer_clip",
     "value_clip",
     "zclip",
 ]

@@ -18,7 +18,8 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optclip import _checks, _functional, _norms, _transforms
+from optclip import _axes, _checks, _functional, _groups, _norms, _transforms
+from optclip._groups import GroupNorms
 
 
 class AGCState(NamedTuple):
@@ -26,6 +27,7 @@ class AGCState(NamedTuple):
 
     global_norm: jax.Array  # pre-clip global L2 norm of the last update
     threshold: jax.Array  # sqrt(sum over units of (clipping * max(|W_u|, eps))**2)
+    group_norms: GroupNorms | None  # pre-clip norm of each group (`group_norms=`), else None
 
 
 class AutoClipState(NamedTuple):
@@ -38,6 +40,8 @@ class AutoClipState(NamedTuple):
     next_index: jax.Array  # where the next norm is written
     clip_count: jax.Array  # updates so far that were scaled down
     nonfinite_count: jax.Array  # updates so far whose norm was not finite (not recorded)
+    scale: jax.Array  # factor the last update was multiplied by
+    group_norms: GroupNorms | None  # pre-clip norm of each group (`group_norms=`), else None
 
 
 class ZClipState(NamedTuple):
@@ -50,6 +54,8 @@ class ZClipState(NamedTuple):
     count: jax.Array  # finite norms seen so far (warm-up ends when it reaches `warmup_steps`)
     spike_count: jax.Array  # updates after warm-up flagged as spikes
     nonfinite_count: jax.Array  # updates so far whose norm was not finite (not recorded)
+    scale: jax.Array  # factor the last update was multiplied by
+    group_norms: GroupNorms | None  # pre-clip norm of each group (`group_norms=`), else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -57,8 +63,9 @@ class ZClipState(NamedTuple):
 
 
 def _check_number(value, name: str, accepted: str, ok) -> None:
-    """A 0-d real number; if concrete, `ok(float(value))` must hold (NaN fails)."""
-    _checks.check_scalar(value, name)
+    """A 0-d real number; if concrete, `ok(float(value))` must hold (NaN fails it, with the
+    message saying what is accepted)."""
+    _checks.check_scalar(value, name, allow_nan=True)
     concrete = _checks.concrete(value)
     if concrete is not None and not ok(float(concrete)):
         raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
@@ -120,9 +127,9 @@ def _split_axes(spec, dims) -> tuple:
     if spec is None or not dims:
         return ()
     if not isinstance(spec, PartitionSpec):  # a name or names: the unit dimensions are split
-        return _norms.leaf_mesh_axes(0, spec)[0]
+        return _axes.spec_axes(spec)
     entries = [spec[d] if d < len(spec) else None for d in dims]
-    return _norms.leaf_mesh_axes(0, PartitionSpec(*entries))[0]
+    return _axes.spec_axes(PartitionSpec(*entries))
 
 
 def _global_shape(shape: tuple, spec) -> tuple:
@@ -135,7 +142,29 @@ def _global_shape(shape: tuple, spec) -> tuple:
     )
 
 
-def agc(clipping=0.01, eps=1e-3, *, axis=None, axis_name=None) -> optax.GradientTransformation:
+def _agc_specs(paths_and_updates, updates, axis_name) -> list:
+    """Each update leaf's part of `axis_name`, checked: its axes are bound and, inside
+    `shard_map` with variation tracking, they are the axes the leaf varies over."""
+    specs = _axes.leaf_specs(updates, axis_name)
+    axes = [_axes.spec_axes(spec) for spec in specs]
+    _axes.check_bound(sorted({a for leaf in axes for a in leaf}))
+    if not _axes.tracks_variation():
+        return specs
+    for (path, g), declared in zip(paths_and_updates, axes):
+        if axis_name is None and _axes.varying_axes(g):
+            raise ValueError(
+                f"`agc` inside `shard_map`: leaf `{_checks.leaf_name(path)}` varies over mesh "
+                f"axes {sorted(_axes.varying_axes(g))}, so it is split, but `axis_name` is None. "
+                "AGC's unit norms depend on which dimensions are split: pass the updates' "
+                "PartitionSpecs (shard_map's `in_specs` for them) as `axis_name`."
+            )
+        _axes.check_declared(path, g, declared, "agc")
+    return specs
+
+
+def agc(
+    clipping=0.01, eps=1e-3, *, axis=None, axis_name=None, group_norms=None
+) -> optax.GradientTransformation:
     r"""Adaptive gradient clipping: each unit's update limited relative to its parameter's norm.
 
     .. math::
@@ -168,12 +197,18 @@ def agc(clipping=0.01, eps=1e-3, *, axis=None, axis_name=None) -> optax.Gradient
         the updates (shard_map's ``in_specs`` for them), exact per dimension; or a mesh axis name
         or tuple of names, meaning every leaf's reduced (unit) dimensions are split over them. A
         leaf split only along its kept dimensions needs nothing. Not needed under ``jit`` with
-        sharded arrays. `params` must be split like the updates.
+        sharded arrays. `params` must be split like the updates. Inside ``shard_map``, each
+        leaf's declared split is checked against how JAX says it varies over the mesh; a leaf
+        that varies over mesh axes needs its ``PartitionSpec`` here (which dimensions are split
+        decides the unit norms, and JAX does not track that).
+      group_norms: also keep the pre-clip norm of groups of leaves in the state, from the unit
+        norms (no second pass): as in :func:`optclip.global_clip`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AGCState`: ``global_norm``
-      (pre-clip global L2 norm of the last update) and ``threshold``, the global norm of the
-      per-unit limits :math:`\sqrt{\sum_u c_u^2}`, which bounds the clipped update's norm.
+      (pre-clip global L2 norm of the last update), ``threshold``, the global norm of the
+      per-unit limits :math:`\sqrt{\sum_u c_u^2}`, which bounds the clipped update's norm, and
+      ``group_norms`` (a :class:`optclip.GroupNorms`, or None).
 
     Raises:
       ValueError: a concrete negative or NaN `clipping` or `eps`, or one that is not 0-d; at
@@ -207,9 +242,13 @@ def agc(clipping=0.01, eps=1e-3, *, axis=None, axis_name=None) -> optax.Gradient
         if not ok or isinstance(axis, bool):
             raise TypeError(f"`axis` must be None, an int or a sequence of ints, got {axis!r}.")
 
+    group_norms = _groups.check_spec(group_norms)
+
     def init_fn(params):
         dtype = _transforms.state_dtype(params)
-        return AGCState(jnp.zeros((), dtype), jnp.zeros((), dtype))
+        return AGCState(
+            jnp.zeros((), dtype), jnp.zeros((), dtype), _groups.init(group_norms, params, dtype)
+        )
 
     def update_fn(updates, state, params=None):
         if params is None:
@@ -224,7 +263,7 @@ def agc(clipping=0.01, eps=1e-3, *, axis=None, axis_name=None) -> optax.Gradient
                 "`agc` needs `params` with the same structure as the updates; got updates "
                 f"{treedef} and params {param_treedef}."
             )
-        specs = _norms.leaf_specs(updates, axis_name)
+        specs = _agc_specs(paths_and_updates, updates, axis_name)
         out, unit_norms, unit_limits, kept_axes = [], [], [], []
         for (path, g), w, spec in zip(paths_and_updates, param_leaves, specs):
             _checks.check_float_leaf(path, g, "agc")
@@ -249,12 +288,14 @@ def agc(clipping=0.01, eps=1e-3, *, axis=None, axis_name=None) -> optax.Gradient
             unit_limits.append(jnp.broadcast_to(limit, g_norm.shape))
             kept = tuple(d for d in range(g.ndim) if d not in dims)
             kept_axes.append(_split_axes(spec, kept) if isinstance(spec, PartitionSpec) else ())
-        # Every element lies in exactly one unit: the norm of the unit norms is the global norm.
+        # Every element lies in exactly one unit: the norm of the unit norms is the global norm
+        # (and, bucket by bucket, each group's norm).
+        buckets = _groups.buckets(group_norms, updates, state.group_norms, "agc")
+        norm, bucket_norms = _norms.tree_norms(unit_norms, kept_axes, 2.0, buckets)
         state = AGCState(
-            global_norm=_norms.tree_norm(unit_norms, kept_axes, 2.0).astype(
-                state.global_norm.dtype
-            ),
+            global_norm=norm.astype(state.global_norm.dtype),
             threshold=_norms.tree_norm(unit_limits, kept_axes, 2.0).astype(state.threshold.dtype),
+            group_norms=_groups.update(state.group_norms, bucket_norms),
         )
         return jax.tree.unflatten(treedef, out), state
 
@@ -287,7 +328,7 @@ def _percentile(values, filled, q):
 
 
 def autoclip(
-    percentile=10.0, history=1000, *, axis_name=None, nonfinite="propagate"
+    percentile=10.0, history=1000, *, axis_name=None, nonfinite="propagate", group_norms=None
 ) -> optax.GradientTransformation:
     r"""AutoClip: a global clip at a percentile of the recent gradient norms.
 
@@ -310,13 +351,16 @@ def autoclip(
         so it is static: with ``optax.inject_hyperparams`` pass ``static_args=("history",)``.
       axis_name: mesh axes the updates are split over inside ``shard_map``/``pmap``; see
         :func:`optclip.global_norm`.
-      nonfinite: ``"propagate"`` (default) or ``"zero"``, as in :func:`optclip.global_clip`.
+      nonfinite: ``"propagate"`` (default), ``"zero"`` or ``"raise"``, as in
+        :func:`optclip.global_clip`.
+      group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
+        :func:`optclip.global_clip`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AutoClipState`:
       ``global_norm`` (pre-clip norm of the last update), ``threshold`` (the percentile it was
-      clipped to), ``norms`` (shape ``(history,)``), ``filled``, ``next_index``, ``clip_count``
-      and ``nonfinite_count``.
+      clipped to), ``norms`` (shape ``(history,)``), ``filled``, ``next_index``,
+      ``clip_count``, ``nonfinite_count``, ``scale`` (the factor applied) and ``group_norms``.
 
     Raises:
       ValueError: `percentile` outside [0, 100] or not 0-d; `history` not an int >= 1; unknown
@@ -339,7 +383,8 @@ def autoclip(
     """
     _check_number(percentile, "percentile", "a number in [0, 100]", lambda v: 0 <= v <= 100)
     _check_count(history, "history", static=True)
-    _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero"))
+    _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
+    group_norms = _groups.check_spec(group_norms)
     size = int(history)
 
     def init_fn(params):
@@ -352,17 +397,24 @@ def autoclip(
             next_index=_transforms.counter(),
             clip_count=_transforms.counter(),
             nonfinite_count=_transforms.counter(),
+            scale=jnp.ones((), dtype),
+            group_norms=_groups.init(group_norms, params, dtype),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.norms.dtype
-        norm = _norms.global_norm_of(updates, 2.0, axis_name, "autoclip").astype(dtype)
+        buckets = _groups.buckets(group_norms, updates, state.group_norms, "autoclip")
+        norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "autoclip", buckets)
+        norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         norms = jnp.where(finite, state.norms.at[state.next_index].set(norm), state.norms)
         filled = jnp.where(finite, jnp.minimum(state.filled + 1, size), state.filled)
         next_index = jnp.where(finite, (state.next_index + 1) % size, state.next_index)
         threshold = _percentile(norms, filled, percentile)
+        updates, scale = _transforms.clip_to_threshold(
+            updates, norm, threshold, nonfinite, "autoclip"
+        )
         new_state = AutoClipState(
             global_norm=norm,
             threshold=threshold,
@@ -371,8 +423,10 @@ def autoclip(
             next_index=next_index.astype(jnp.int32),
             clip_count=state.clip_count + (finite & (norm > threshold)).astype(jnp.int32),
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+            scale=scale.astype(dtype),
+            group_norms=_groups.update(state.group_norms, bucket_norms),
         )
-        return _transforms.clip_to_threshold(updates, norm, threshold, nonfinite), new_state
+        return updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -394,6 +448,7 @@ def zclip(
     eps=1e-6,
     axis_name=None,
     nonfinite="propagate",
+    group_norms=None,
 ) -> optax.GradientTransformation:
     r"""ZClip: a global clip when the norm is an outlier against its EMA mean and variance.
 
@@ -442,7 +497,10 @@ def zclip(
       eps: :math:`\epsilon > 0` in the z-score's denominator (default 1e-6, as in the reference).
       axis_name: mesh axes the updates are split over inside ``shard_map``/``pmap``; see
         :func:`optclip.global_norm`.
-      nonfinite: ``"propagate"`` (default) or ``"zero"``, as in :func:`optclip.global_clip`.
+      nonfinite: ``"propagate"`` (default), ``"zero"`` or ``"raise"``, as in
+        :func:`optclip.global_clip`.
+      group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
+        :func:`optclip.global_clip`.
 
     Every numeric argument may be traced (``optax.inject_hyperparams``); the state's shape does
     not depend on any of them.
@@ -452,8 +510,8 @@ def zclip(
       (pre-clip norm of the last update); ``threshold``, the largest norm the last update could
       have had and passed unchanged (`max_norm` or inf during warm-up, then the spike boundary
       :math:`\mu + z_{thr}(\sigma + \epsilon)`, or :math:`\mu + z_{thr}\sigma` in percentile
-      mode, capped at `max_norm`); ``mean``, ``var``, ``count``, ``spike_count`` and
-      ``nonfinite_count``.
+      mode, capped at `max_norm`); ``mean``, ``var``, ``count``, ``spike_count``,
+      ``nonfinite_count``, ``scale`` (the factor applied) and ``group_norms``.
 
     Raises:
       ValueError: `alpha` outside (0, 1); `z_thresh`, `clip_factor` or `eps` not > 0;
@@ -490,7 +548,8 @@ def zclip(
             f"{skip_update_on_spike!r}."
         )
     _check_number(eps, "eps", "a number > 0", lambda v: v > 0)
-    _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero"))
+    _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
+    group_norms = _groups.check_spec(group_norms)
 
     def cap_at(step, dtype):
         """The absolute cap at `step` (`max_norm`, its schedule's value, or inf)."""
@@ -507,12 +566,16 @@ def zclip(
             count=_transforms.counter(),
             spike_count=_transforms.counter(),
             nonfinite_count=_transforms.counter(),
+            scale=jnp.ones((), dtype),
+            group_norms=_groups.init(group_norms, params, dtype),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.mean.dtype
-        norm = _norms.global_norm_of(updates, 2.0, axis_name, "zclip").astype(dtype)
+        buckets = _groups.buckets(group_norms, updates, state.group_norms, "zclip")
+        norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "zclip", buckets)
+        norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         a, z_thr = _as(alpha, dtype), _as(z_thresh, dtype)
         # Steps so far: every update is counted in exactly one of the two.
@@ -553,6 +616,7 @@ def zclip(
         new_mean = jnp.where(finite, jnp.where(warming, warm_mean, ema_mean), mean)
         new_var = jnp.where(finite, jnp.where(warming, warm_var, ema_var), var)
 
+        updates, scale = _transforms.clip_to_threshold(updates, norm, target, nonfinite, "zclip")
         new_state = ZClipState(
             global_norm=norm,
             threshold=jnp.where(warming, cap, jnp.minimum(boundary, cap)),
@@ -561,7 +625,9 @@ def zclip(
             count=jnp.where(finite, optax.safe_increment(state.count), state.count),
             spike_count=state.spike_count + spike.astype(jnp.int32),
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
+            scale=scale.astype(dtype),
+            group_norms=_groups.update(state.group_norms, bucket_norms),
         )
-        return _transforms.clip_to_threshold(updates, norm, target, nonfinite), new_state
+        return updates, new_state
 
     return optax.GradientTransformation(init_fn, update_fn)

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 
 ORD_ACCEPTED = "1, 2, inf (float('inf') or numpy.inf) or any number p > 0"
+THRESHOLD_ACCEPTED = "a threshold is a number (negative means zero, inf means no clipping)"
+BOUND_ACCEPTED = "a bound is a number or an array of numbers (None or inf for no bound)"
 
 
 def is_traced(value) -> bool:
@@ -40,8 +42,13 @@ def _shape_of(value):
     return tuple(shape)
 
 
-def check_scalar(value, name: str):
-    """Checks that a threshold is a 0-d real number; returns it unchanged."""
+def check_scalar(value, name: str, *, allow_nan: bool = False):
+    """Checks that a threshold is a 0-d real number, not a concrete NaN; returns it unchanged.
+
+    A NaN threshold is an error when it is known now (a traced NaN makes the clipped values
+    NaN, see `_functional.clip_scale`). `allow_nan` is for a norm given in place of the computed
+    one (`use_norm`), which may be NaN as any norm may.
+    """
     if isinstance(value, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be a real number, got a bool ({value!r}).")
     if not isinstance(value, (numbers.Real, np.ndarray, np.generic, jax.Array)):
@@ -52,12 +59,28 @@ def check_scalar(value, name: str):
     dtype = jnp.result_type(value)
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"`{name}` must be a real number, got dtype {dtype}.")
+    if not allow_nan:
+        check_not_nan(value, name, THRESHOLD_ACCEPTED)
     return value
+
+
+def check_not_nan(value, name: str, accepted: str) -> None:
+    """A concrete threshold or bound must not be NaN (traced values are not looked at)."""
+    known = concrete(value)
+    if known is None or not jnp.issubdtype(known.dtype, jnp.floating):
+        return
+    if np.any(np.isnan(known.astype(np.float64))):
+        raise ValueError(f"`{name}` must not be NaN, got {value!r}; {accepted}.")
+
+
+def is_schedule(value) -> bool:
+    """An Optax schedule: a callable of the step count (a JAX array is callable too: not one)."""
+    return callable(value) and not isinstance(value, jax.Array)
 
 
 def check_threshold(value, name: str):
     """A threshold: a 0-d real number, or an Optax schedule (a callable of the step count)."""
-    if callable(value) and not isinstance(value, jax.Array):
+    if is_schedule(value):
         return value
     return check_scalar(value, name)
 
@@ -142,12 +165,18 @@ def normalize_axes(axes, path, ndim: int) -> tuple[int, ...]:
 
 
 def check_bounds(clip_value_min, clip_value_max) -> None:
-    """Concrete bounds must satisfy `min <= max`."""
+    """Bounds are real numbers or arrays, or None (no bound); concrete ones are not NaN and
+    satisfy `min <= max`."""
     for value, name in ((clip_value_min, "clip_value_min"), (clip_value_max, "clip_value_max")):
+        if value is None:
+            continue
         if isinstance(value, (bool, np.bool_)) or not isinstance(
             value, (numbers.Real, np.ndarray, np.generic, jax.Array)
         ):
-            raise TypeError(f"`{name}` must be a real number or array, got {value!r}.")
+            raise TypeError(f"`{name}` must be a real number, an array or None, got {value!r}.")
+        check_not_nan(value, name, BOUND_ACCEPTED)
+    if clip_value_min is None or clip_value_max is None:
+        return
     lo, hi = concrete(clip_value_min), concrete(clip_value_max)
     if lo is None or hi is None:
         return

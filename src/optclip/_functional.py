@@ -6,11 +6,13 @@ the threshold, and every leaf multiplied by that scale.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _checks, _norms
+from optclip import _axes, _checks, _norms
 
 
 def threshold_as(value, dtype):
@@ -20,18 +22,23 @@ def threshold_as(value, dtype):
 
 def clip_scale(norm, threshold):
     """``threshold / max(norm, threshold)``, guarded: 1 at or under the threshold (zero included),
-    NaN when the norm is not finite. Finite gradient everywhere the norm is finite."""
+    NaN when the norm is not finite or the threshold is NaN (a traced NaN threshold is never a
+    silent "no clip"). Finite gradient everywhere the norm is finite."""
     over = norm > threshold
     scale = jnp.where(over, threshold / jnp.where(over, norm, 1), 1)
-    return jnp.where(jnp.isfinite(norm), scale, jnp.nan)
+    return jnp.where(jnp.isfinite(norm) & ~jnp.isnan(threshold), scale, jnp.nan)
 
 
 def apply_scale(x, scale):
-    """``x * scale`` rounded once to `x`'s dtype (float16 and bfloat16 are scaled in float32)."""
+    """``x * scale`` rounded once to `x`'s dtype (float16 and bfloat16 are scaled in float32);
+    `x` itself, bit for bit, where the scale is 1 (XLA on CPU flushes subnormal numbers to zero
+    in any arithmetic, ``x * 1`` included)."""
     x = jnp.asarray(x)
+    scale = _norms.on_devices_of(scale, x)  # eager leaves on several devices: scale each there
     # Not `jnp.promote_types`: under jax_numpy_dtype_promotion='strict' it refuses bfloat16.
     work = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
-    return (x.astype(work) * scale.astype(work)).astype(x.dtype)
+    scaled = (x.astype(work) * scale.astype(work)).astype(x.dtype)
+    return jnp.where(scale == 1, x, scaled)
 
 
 def scale_tree(tree, scale):
@@ -83,27 +90,33 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     .. math::
         x_i \mapsto \min(\max(x_i, \text{min}), \text{max})
 
-    Corresponds to ``tf.clip_by_value``. Clipping values changes the direction of a gradient;
-    prefer :func:`clip_by_global_norm` for gradients.
+    Corresponds to ``tf.clip_by_value``; a bound may also be ``None`` (no bound on that side),
+    as in ``optax.tree.clip``, and with both ``None`` the tree is returned unchanged, as there.
+    Clipping values changes the direction of a gradient; prefer :func:`clip_by_global_norm` for
+    gradients.
 
     Args:
       tree: a pytree of real arrays (integer leaves are accepted, as in TensorFlow; float bounds
-        are rounded inwards for them).
-      clip_value_min: lower bound: a scalar or an array that broadcasts to every leaf.
+        are rounded inwards for them and saturate at the dtype's range, so ``inf`` is no bound).
+      clip_value_min: lower bound: a scalar or an array that broadcasts to every leaf, or
+        ``None`` for no lower bound.
       clip_value_max: upper bound, likewise.
 
     Returns:
-      The clipped tree; every leaf keeps its shape and dtype.
+      The clipped tree; every leaf keeps its shape and dtype. A traced NaN bound (under ``jit``
+      or ``optax.inject_hyperparams``) makes floating-point leaves NaN.
 
     Raises:
-      ValueError: concrete ``clip_value_min > clip_value_max``, or a bound that does not
-        broadcast to a leaf (the message names the leaf).
+      ValueError: concrete ``clip_value_min > clip_value_max``, a concrete NaN bound, or a bound
+        that does not broadcast to a leaf (the message names the leaf).
       TypeError: a boolean or complex leaf.
 
     Examples:
       >>> import jax.numpy as jnp, optclip
       >>> print(optclip.clip_by_value(jnp.array([-1., 2., 10.]), 0., 3.))
       [0. 2. 3.]
+      >>> print(optclip.clip_by_value(jnp.array([-1., 2., 10.]), None, 3.))
+      [-1.  2.  3.]
     """
     _checks.check_bounds(clip_value_min, clip_value_max)
 
@@ -115,31 +128,43 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
                 f"`clip_by_value` needs real numeric leaves; leaf `{_checks.leaf_name(path)}` "
                 f"has dtype {dtype}."
             )
-        lo, hi = jnp.asarray(clip_value_min), jnp.asarray(clip_value_max)
-        for bound, name in ((lo, "clip_value_min"), (hi, "clip_value_max")):
-            try:
-                fits = np.broadcast_shapes(bound.shape, x.shape) == x.shape
-            except ValueError:
-                fits = False
-            if not fits:
-                raise ValueError(
-                    f"`{name}` of shape {bound.shape} does not broadcast to leaf "
-                    f"`{_checks.leaf_name(path)}` of shape {x.shape}."
-                )
-        if jnp.issubdtype(dtype, jnp.integer):
-            lo, hi = _integer_bound(lo, dtype, jnp.ceil), _integer_bound(hi, dtype, jnp.floor)
-        return jnp.clip(x, lo.astype(dtype), hi.astype(dtype))
+        lo = _leaf_bound(clip_value_min, "clip_value_min", path, x, jnp.ceil)
+        hi = _leaf_bound(clip_value_max, "clip_value_max", path, x, jnp.floor)
+        return x if lo is None and hi is None else jnp.clip(x, lo, hi)
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
 
+def _leaf_bound(bound, name, path, x, rounding):
+    """`bound` checked against leaf `x` and cast to its dtype; None (no bound) stays None."""
+    if bound is None:
+        return None
+    bound = jnp.asarray(bound)
+    try:
+        fits = np.broadcast_shapes(bound.shape, x.shape) == x.shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"`{name}` of shape {bound.shape} does not broadcast to leaf "
+            f"`{_checks.leaf_name(path)}` of shape {x.shape}."
+        )
+    if jnp.issubdtype(x.dtype, jnp.integer):
+        return _integer_bound(bound, x.dtype, rounding)
+    return bound.astype(x.dtype)
+
+
 def _integer_bound(bound, dtype, rounding):
-    """A bound for an integer leaf: float bounds rounded inwards and kept in the dtype's range."""
-    if jnp.issubdtype(bound.dtype, jnp.integer):
-        info = jnp.iinfo(dtype)
-        return jnp.clip(bound, info.min, info.max) if bound.dtype != dtype else bound
+    """A bound for an integer leaf, in its dtype: float bounds rounded inwards (`rounding`),
+    every bound saturated to the dtype's range, so an infinite bound is no bound."""
     info = jnp.iinfo(dtype)
-    return jnp.clip(rounding(bound), float(info.min), float(info.max))
+    if jnp.issubdtype(bound.dtype, jnp.integer):
+        own = jnp.iinfo(bound.dtype)
+        return jnp.clip(bound, max(info.min, own.min), min(info.max, own.max)).astype(dtype)
+    bound = rounding(bound)
+    # Compared, not clipped in floating point: float(info.max) may round up past the range.
+    inside = jnp.where(bound <= float(info.min), jnp.array(info.min, dtype), bound.astype(dtype))
+    return jnp.where(bound >= float(info.max), jnp.array(info.max, dtype), inside)
 
 
 def clip_by_norm(tree, clip_norm, axes=None):
@@ -161,10 +186,11 @@ def clip_by_norm(tree, clip_norm, axes=None):
 
     Returns:
       The clipped tree; every leaf keeps its shape and dtype, and is unchanged bit for bit where
-      its norm is at or under `clip_norm`. A slice whose norm is not finite becomes NaN.
+      its norm is at or under `clip_norm`. A slice whose norm is not finite becomes NaN, and
+      so does every leaf for a traced NaN `clip_norm` (under ``jit``).
 
     Raises:
-      ValueError: `clip_norm` is not 0-d, or `axes` is out of range for a leaf.
+      ValueError: `clip_norm` is not 0-d or is NaN, or `axes` is out of range for a leaf.
       TypeError: an integer or boolean leaf (the message names its path).
 
     Examples:
@@ -202,10 +228,11 @@ def clip_by_average_norm(tree, clip_norm):
       clip_norm: the largest average norm, a 0-d real number; negative values are treated as zero.
 
     Returns:
-      The clipped tree; every leaf keeps its shape and dtype.
+      The clipped tree; every leaf keeps its shape and dtype. A leaf whose norm is not finite
+      becomes NaN, and so does every leaf for a traced NaN `clip_norm`.
 
     Raises:
-      ValueError: `clip_norm` is not 0-d.
+      ValueError: `clip_norm` is not 0-d, or is NaN.
       TypeError: an integer or boolean leaf (the message names its path).
 
     Examples:
@@ -221,6 +248,53 @@ def clip_by_average_norm(tree, clip_norm):
         norm = _norms.leaf_norm(x, 2.0)
         average = norm / max(x.size, 1)
         return apply_scale(x, clip_scale(average, threshold_as(clip_norm, average.dtype)))
+
+    return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def clip_by_block_rms(tree, threshold):
+    r"""Scales each leaf down to a root mean square (RMS) of at most `threshold`.
+
+    .. math::
+        x \mapsto x \cdot \frac{c}{\max(\operatorname{rms}(x), c)}, \quad
+        \operatorname{rms}(x) = \sqrt{\tfrac{1}{n} \textstyle\sum_i |x_i|^2}
+        = \|x\|_2 / \sqrt{n}, \quad n = \text{x.size}
+
+    ``optax.clip_by_block_rms`` as a pure function (a block is one leaf: a weight vector or
+    matrix); TensorFlow has none. Where optax divides each leaf by ``max(1, rms / c)`` computed
+    in the leaf's dtype, this function differs on purpose: the RMS is accumulated in float32 (a
+    float16 leaf whose squares overflow is clipped correctly; optax makes it zero), a leaf at or
+    under the threshold is returned bit for bit, a negative threshold is treated as zero (optax
+    then does not clip), zero input stays zero at a zero threshold (optax gives NaN), a leaf
+    whose RMS is not finite becomes NaN (optax zeroes its finite entries), and the gradient is
+    finite at zero input. Elsewhere the two agree to rounding.
+
+    Args:
+      tree: a pytree of floating-point or complex arrays (complex leaves use ``|z|^2``).
+      threshold: the largest RMS, a 0-d real number; negative values are treated as zero.
+
+    Returns:
+      The clipped tree; every leaf keeps its shape and dtype. A leaf whose RMS is not finite
+      becomes NaN, and so does every leaf for a traced NaN `threshold`.
+
+    Raises:
+      ValueError: `threshold` is not 0-d, or is NaN.
+      TypeError: an integer or boolean leaf (the message names its path).
+
+    Examples:
+      >>> import jax.numpy as jnp, optclip
+      >>> tree = {"w": jnp.array([3., 4., 0., 0.]), "b": jnp.array([0.5, -0.5])}
+      >>> out = optclip.clip_by_block_rms(tree, 1.0)  # RMS 2.5 and 0.5
+      >>> print(out["w"], out["b"])
+      [1.2 1.6 0.  0. ] [ 0.5 -0.5]
+    """
+    _checks.check_scalar(threshold, "threshold")
+
+    def clip_leaf(path, x):
+        _checks.check_float_leaf(path, x, "clip_by_block_rms")
+        x = jnp.asarray(x)
+        rms = _norms.leaf_norm(x, 2.0) / math.sqrt(max(x.size, 1))
+        return apply_scale(x, clip_scale(rms, threshold_as(threshold, rms.dtype)))
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
@@ -247,10 +321,12 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
 
     Returns:
       ``(clipped_tree, global_norm)``. Every leaf keeps its dtype and is unchanged bit for bit
-      when the norm is at or under `clip_norm`. If the norm is not finite every leaf is NaN.
+      when the norm is at or under `clip_norm`. If the norm is not finite, or `clip_norm` is a
+      traced NaN, every leaf is NaN.
 
     Raises:
-      ValueError: `clip_norm` or `use_norm` is not 0-d.
+      ValueError: `clip_norm` or `use_norm` is not 0-d; `clip_norm` is NaN (a NaN `use_norm`
+        is a norm like any other: every leaf becomes NaN).
       TypeError: an integer or boolean leaf (the message names its path).
 
     Examples:
@@ -264,9 +340,10 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
     leaves = _norms.float_leaves(tree, "clip_by_global_norm")
     dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
     if use_norm is None:
-        norm = _norms.tree_norm(leaves, _norms.leaf_mesh_axes(tree, axis_name), 2.0)
+        axes = _axes.leaf_axes(tree, axis_name, "clip_by_global_norm")
+        norm = _norms.tree_norm(leaves, axes, 2.0)
     else:
-        _checks.check_scalar(use_norm, "use_norm")
+        _checks.check_scalar(use_norm, "use_norm", allow_nan=True)
         norm = jnp.asarray(use_norm).astype(dtype)
     scale = clip_scale(norm, threshold_as(clip_norm, norm.dtype))
     return scale_tree(tree, scale), norm

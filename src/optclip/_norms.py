@@ -10,23 +10,27 @@
   everywhere, zero input included.
 * Many leaves: small leaves of one shape, dtype and sharding are stacked and reduced together, so
   compile time does not grow with one kernel per leaf.
+* Groups: the partial sums of the leaves are collected into buckets (one per group of leaves,
+  for per-layer norms) before they are combined, so group norms cost no second pass.
 * Devices: partial sums of leaves split over mesh axes are all-reduced (`psum`, or `pmax` for the
   infinity norm) over exactly those axes, once per distinct set of axes; replicated leaves are
-  counted once.
+  counted once. Eager leaves committed to different devices are reduced where they are and their
+  partial sums brought together.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from optclip import _checks
+from optclip import _axes, _checks
 
 # Leaves with at most this many elements are stacked with others of their shape before reducing.
 STACK_MAX_SIZE = 1 << 14
@@ -112,27 +116,34 @@ def magnitude_power(x, p, inverse_scale=None):
     return _pow0(jnp.abs(a), p)
 
 
-def _largest_part(x, axes, keepdims):
-    """The largest ``|component|`` (a scale within a factor sqrt(2) of the largest magnitude),
-    in the accumulation dtype. The maximum is exact in the leaf's own dtype, so it is taken
-    there and only the result is converted."""
-    parts = [jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x))] if jnp.iscomplexobj(x) else [jnp.abs(x)]
-    a = parts[0] if len(parts) == 1 else jnp.maximum(*parts)
-    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0).astype(accum_dtype(x.dtype))
+def _part_magnitude(x):
+    """``max(|re|, |im|)`` elementwise in `x`'s own dtype (``|x|`` for real `x`): within a factor
+    sqrt(2) of ``|x|``, which is all a scale needs, and its maximum is exact in the leaf's dtype
+    (so it is taken there and only the result is converted)."""
+    if jnp.iscomplexobj(x):
+        return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
+    return jnp.abs(x)
 
 
-def _largest_magnitude(x, axes, keepdims):
-    """``max |x|`` exactly (the infinity norm), with a finite gradient at zero."""
+def _magnitude(x):
+    """``|x|`` elementwise (exact for complex, with a finite gradient at zero)."""
     if not jnp.iscomplexobj(x):
-        return _largest_part(x, axes, keepdims)
+        return jnp.abs(x)
     z = x.astype(jnp.promote_types(x.dtype, jnp.complex64))
     nonzero = z != 0
-    a = jnp.where(nonzero, jnp.abs(jnp.where(nonzero, z, 1)), 0)
-    return jnp.max(a, axis=axes, keepdims=keepdims, initial=0)
+    return jnp.where(nonzero, jnp.abs(jnp.where(nonzero, z, 1)), 0)
+
+
+def _sum(a, axis):
+    return jnp.sum(a, axis=axis)
+
+
+def _max(a, axis):
+    return jnp.max(a, axis=axis, initial=0)
 
 
 def _needs_rescale(total, p, zero_is_exact: bool):
-    """Where a plain sum of powers lost the norm: it overflowed or underflowed.
+    """Where a plain sum of powers lost the norm: it overflowed or underflowed (elementwise).
 
     A sum that is exactly zero comes from an all-zero input or from values whose powers all
     flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
@@ -158,12 +169,13 @@ def _rescaled_norm(largest: Callable, rescaled_total: Callable, p):
     return jnp.where(m == jnp.inf, jnp.inf, norm)
 
 
-def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_exact: bool):
-    """The norm from a plain sum of powers, or, if that sum lost it, from a rescaled one.
+def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, needs):
+    """The norms from plain sums of powers `total`, or, where `needs` says a sum lost its norm,
+    from rescaled ones.
 
-    `largest()` gives the largest magnitude and `rescaled_total(inverse_scale)` the sum of
-    ``|x * inverse_scale| ** p``; both are only evaluated when the plain sum overflowed or
-    underflowed.
+    `largest()` gives the largest magnitudes and `rescaled_total(inverse_scale)` the sums of
+    ``|x * inverse_scale| ** p`` (both shaped like `total`); they are only evaluated when some
+    plain sum overflowed or underflowed.
     """
 
     def plain():
@@ -172,36 +184,29 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, zero_is_ex
     def rescaled():
         return _rescaled_norm(largest, rescaled_total, p).astype(total.dtype)
 
-    needs_rescale = jnp.any(_needs_rescale(total, p, zero_is_exact))
+    needs_rescale = jnp.any(needs)
     if not isinstance(needs_rescale, jax.core.Tracer):
         # Eager: decide in Python rather than trace and compile a `cond` on every call.
         return rescaled() if bool(needs_rescale) else plain()
     return lax.cond(needs_rescale, rescaled, plain)
 
 
-def leaf_norm(x, p: float = 2.0, axes=None):
-    """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
+def _norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bool = True):
+    """The `p`-norms of `arrays` (a list), with a batching rule and a differentiation rule.
 
-    `axes` must already be normalised (a tuple of non-negative ints) or None.
-    """
-    keepdims = axes is not None
-    if p == math.inf:
-        return _largest_magnitude(x, axes, keepdims)
+    The norms may come in several "views" of the same arrays (per group of leaves, and of all of
+    them), each a reduction of the same elementwise terms:
 
-    def reduce(arrays):
-        return jnp.sum(arrays[0], axis=axes, keepdims=keepdims)
+    * `reduce(terms)` reduces `terms[v][i]`, the elementwise terms of ``arrays[i]`` for view
+      `v`, into the norms' shape (over some axes of one leaf; per group of leaves and then all
+      of them);
+    * `largest(arrays)` is the largest magnitude, reduced the same way;
+    * `expand(values, i, array)` is, for each view, norm-shaped `values` broadcast against
+      ``arrays[i]`` (a list, one entry per view);
+    * `needs_rescale(total)` says, norm by norm, where a plain sum lost its norm.
 
-    return _norm_with_rules(
-        [x], p, reduce, lambda arrays: _largest_part(arrays[0], axes, keepdims), True
-    )
-
-
-def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
-    """The `p`-norm of `arrays` (a list), with a batching rule and a differentiation rule.
-
-    `reduce(list)` sums a list of elementwise arrays (one per input array) the way the norm
-    needs (over some axes of one leaf, or over every leaf); `largest(arrays)` is the largest
-    magnitude with the same reduction. The norm itself is `_safe_norm`'s. Two custom rules:
+    The norms themselves are `_safe_norm`'s. Two custom rules (with `rules`, for a static order
+    and no collectives):
 
     * `vmap` (per-example clipping): a `lax.cond` with a batched predicate would become a
       `select` running both branches for every example; the rule keeps one `cond`, on whether
@@ -212,19 +217,27 @@ def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
     """
 
     def totals(arrays, inverse_scale=None):
-        return reduce([magnitude_power(a, p, inverse_scale) for a in arrays])
+        if inverse_scale is None:
+            plain = [magnitude_power(a, p) for a in arrays]  # shared by every view
+            return reduce([plain] * len(expand(None, None, None)))
+        per_array = [
+            [magnitude_power(a, p, s) for s in expand(inverse_scale, i, a)]
+            for i, a in enumerate(arrays)
+        ]
+        return reduce([list(view) for view in zip(*per_array)])
 
     def compute(arrays):
+        total = totals(arrays)
         return _safe_norm(
-            totals(arrays),
+            total,
             p,
             lambda: largest(arrays),
             lambda inv: totals(arrays, inv),
-            zero_is_exact,
+            needs_rescale(total),
         )
 
-    if not any(isinstance(a, jax.core.Tracer) for a in arrays):
-        return compute(arrays)  # eager: no transformation to write rules for
+    if not rules or not any(isinstance(a, jax.core.Tracer) for a in arrays):
+        return compute(arrays)  # eager (no transformation to write rules for), or collectives
 
     @jax.custom_batching.custom_vmap
     def batched(arrays):
@@ -239,7 +252,7 @@ def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
         in_axes = ([0 if flag else None for flag in flags],)
         total = jax.vmap(totals, in_axes=in_axes)(arrays)
         plain = _root(total, p)
-        needs = _needs_rescale(total, p, zero_is_exact)
+        needs = jax.vmap(needs_rescale)(total)
 
         def with_fallback():
             rescaled = jax.vmap(
@@ -258,13 +271,18 @@ def _norm_with_rules(arrays, p: float, reduce, largest, zero_is_exact: bool):
     def norm_jvp(primals, tangents):
         (arrays,), (darrays,) = primals, tangents
         n = norm(arrays)
-        return n, reduce([_norm_tangent(a, da, n, p) for a, da in zip(arrays, darrays)])
+        per_array = [
+            [_norm_tangent(a, da, n_view, p) for n_view in expand(n, i, a)]
+            for i, (a, da) in enumerate(zip(arrays, darrays))
+        ]
+        return n, reduce([list(view) for view in zip(*per_array)])
 
     return norm(arrays)
 
 
 def _norm_tangent(x, dx, n, p: float):
-    """Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`."""
+    """Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`
+    (`n` broadcasts against `x`)."""
     n_safe = jnp.where((n == 0) | ~jnp.isfinite(n), 1, n)
     _, inverse = power_of_two_scale(n_safe)
     n_scaled = n_safe * inverse  # in [0.5, 1): dividing by it is safe
@@ -276,8 +294,33 @@ def _norm_tangent(x, dx, n, p: float):
     return jnp.where(n == 0, 0, directional).astype(n.dtype)
 
 
+def leaf_norm(x, p: float = 2.0, axes=None):
+    """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
+
+    `axes` must already be normalised (a tuple of non-negative ints) or None.
+    """
+    keepdims = axes is not None
+    if p == math.inf:
+        magnitude = _magnitude(x)
+        return jnp.max(magnitude, axis=axes, keepdims=keepdims, initial=0).astype(
+            jnp.promote_types(magnitude.dtype, accum_dtype(x.dtype))
+        )
+    acc = accum_dtype(x.dtype)
+    return _norm_with_rules(
+        [x],
+        p,
+        reduce=lambda terms: jnp.sum(terms[0][0], axis=axes, keepdims=keepdims),
+        largest=lambda arrays: jnp.max(
+            _part_magnitude(arrays[0]), axis=axes, keepdims=keepdims, initial=0
+        ).astype(acc),
+        expand=lambda values, i, array: [values],
+        needs_rescale=lambda total: _needs_rescale(total, p, zero_is_exact=True),
+    )
+
+
 # ----------------------------------------------------------------------------------------------
-# Global norm over many leaves, possibly split over mesh axes.
+# Norms over many leaves, in groups ("buckets"), possibly split over mesh axes or on several
+# devices.
 
 
 def _sharding_key(x):
@@ -287,177 +330,241 @@ def _sharding_key(x):
         return None
 
 
-def _stack_leaves(leaves, leaf_axes) -> tuple[list, list]:
-    """The arrays to reduce: big leaves alone, small ones stacked with their like (shape, dtype,
-    mesh axes, sharding), at most `STACK_CHUNK` to a stack; and each array's mesh axes.
+def placement(x):
+    """The devices of a concrete array committed to them (eager code), else None."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not x.committed:
+        return None
+    return frozenset(x.sharding.device_set)
 
-    Every element of every leaf is in exactly one array. Stacking comes first, before any
+
+def on_devices_of(value, x):
+    """The concrete `value` (a scale) placed on the devices of the concrete committed array `x`
+    (replicated there), so that eager leaves on different devices are each scaled where they
+    are."""
+    where, here = placement(x), placement(value)
+    if where is None or here is None or where == here:
+        return value
+    sharding = x.sharding
+    if len(where) == 1:
+        target = jax.sharding.SingleDeviceSharding(next(iter(where)))
+    elif isinstance(sharding, NamedSharding):
+        target = NamedSharding(sharding.mesh, PartitionSpec())
+    else:
+        return value
+    return jax.device_put(value, target)
+
+
+class _Piece(NamedTuple):
+    """What the norm reduces: one leaf, or a stack of small leaves along a new leading axis."""
+
+    array: jax.Array
+    leaves: tuple  # the indices of the leaves in `array` (one if not stacked)
+    axes: tuple  # the mesh axes it is split over
+    place: frozenset | None  # its devices, for eager arrays committed to them
+
+
+class _View(NamedTuple):
+    """One way of collecting the leaves' partial sums: into `count` buckets, leaf i into
+    ``buckets[i]`` (the groups of `group_norms`, or one bucket for the global norm)."""
+
+    buckets: tuple
+    count: int
+    offset: int  # where this view's norms start in the vector of every view's norms
+
+    def ids(self, piece) -> tuple:
+        return tuple(self.buckets[i] for i in piece.leaves)
+
+    def expand(self, values, piece, a):
+        """This view's part of `values` (every view's norms) broadcast against `a`, the piece's
+        array: one value for the piece, or one per leaf of a stack over several buckets."""
+        values = values[self.offset : self.offset + self.count]
+        ids = self.ids(piece)
+        if len(set(ids)) == 1:
+            return on_devices_of(values[ids[0]], a)
+        v = values[np.asarray(ids)]
+        return on_devices_of(v.reshape(v.shape + (1,) * (a.ndim - 1)), a)
+
+
+def _views(buckets: tuple, n: int) -> list[_View]:
+    """The global norm's view of `n` leaves (one bucket), after the groups' view if there are
+    groups."""
+    everything = _View((0,) * n, 1, 0)
+    if not buckets:
+        return [everything]
+    count = max(buckets) + 1
+    return [_View(buckets, count, 0), everything._replace(offset=count)]
+
+
+def _stack_leaves(leaves, leaf_axes) -> list[_Piece]:
+    """The pieces to reduce: big leaves alone, small ones stacked with their like (shape, dtype,
+    mesh axes, sharding, devices), at most `STACK_CHUNK` to a stack.
+
+    Every element of every leaf is in exactly one piece. Stacking comes first, before any
     elementwise work, so that the norm's program has a few operations per stack rather than a
     few per leaf (with 2000 leaves, that is the difference between ~1 s and ~1 min of
-    compilation on CPU).
+    compilation on CPU). Leaves of different groups share stacks: a stack is then reduced leaf
+    by leaf, still in one operation.
     """
-    arrays, array_axes, groups = [], [], {}
-    for x, axes in zip(leaves, leaf_axes):
+    pieces, groups = [], {}
+    for index, (x, axes) in enumerate(zip(leaves, leaf_axes)):
+        place = placement(x)
         if x.size > STACK_MAX_SIZE:
-            arrays.append(x)
-            array_axes.append(axes)
+            pieces.append(_Piece(x, (index,), axes, place))
             continue
-        key = (x.shape, x.dtype, axes, _sharding_key(x))
-        groups.setdefault(key, []).append(x)
-    for (_, _, axes, _), xs in groups.items():
-        for start in range(0, len(xs), STACK_CHUNK):
-            chunk = xs[start : start + STACK_CHUNK]
-            arrays.append(chunk[0] if len(chunk) == 1 else jnp.stack(chunk))
-            array_axes.append(axes)
-    return arrays, array_axes
+        key = (x.shape, x.dtype, axes, _sharding_key(x), place)
+        groups.setdefault(key, []).append(index)
+    for (_, _, axes, _, place), indices in groups.items():
+        for start in range(0, len(indices), STACK_CHUNK):
+            chunk = tuple(indices[start : start + STACK_CHUNK])
+            array = leaves[chunk[0]] if len(chunk) == 1 else jnp.stack([leaves[i] for i in chunk])
+            pieces.append(_Piece(array, chunk, axes, place))
+    return pieces
 
 
-def _combine(arrays, array_axes, reduce_fn, how: str, dtype):
-    """Reduces every array to a scalar with `reduce_fn`, then across arrays and devices.
+def _segment(values, ids, count: int, how: str):
+    """`values` summed (or maxed) into `count` buckets by the static `ids`."""
+    if count == 1:
+        return jnp.sum(values, keepdims=True) if how == "sum" else jnp.max(values, keepdims=True)
+    if len(ids) == count and np.array_equal(np.sort(ids), np.arange(count)):
+        return values[np.argsort(ids)]  # one leaf a bucket: a static permutation
+    if how == "sum":
+        return jax.ops.segment_sum(values, jnp.asarray(ids), count)
+    return jnp.maximum(jax.ops.segment_max(values, jnp.asarray(ids), count), 0)
 
-    `how` is "sum" or "max". Partials of arrays split over the same mesh axes are combined
-    first and all-reduced once over those axes.
+
+def _per_leaf(piece, a, reducer):
+    """`a` (a piece's array after elementwise work) reduced leaf by leaf: shape (k,) for a stack
+    of k leaves, (1,) for a single leaf."""
+    if len(piece.leaves) > 1:
+        return reducer(a, tuple(range(1, a.ndim)))
+    return reducer(a, None).reshape(1)
+
+
+def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
+    """Every view's buckets: `terms[v][i]` (piece i's array after elementwise work for view `v`)
+    reduced leaf by leaf with `reducer` (`_sum` or `_max`), and these partials collected into
+    view `v`'s buckets; the views' vectors concatenated. Views given the same terms (the plain
+    sums) share one reduction: the group norms and the global norm come from the same partials,
+    with no second pass over the leaves, and the global norm is the same with or without groups.
+
+    Then combined across devices: all-reduced (`psum`, or `pmax` for "max") over the mesh axes
+    each piece is split over, once per distinct set of axes for all views together; eager pieces
+    on different devices are brought to one device first.
     """
-    by_axes: dict = {}
-    for array, axes in zip(arrays, array_axes):
-        by_axes.setdefault(axes, []).append(reduce_fn(array).astype(dtype))
-    totals = []
-    for axes, parts in by_axes.items():
-        stacked = jnp.stack(parts) if len(parts) > 1 else parts[0]
-        total = jnp.sum(stacked) if how == "sum" else jnp.max(stacked)
+    by_place: dict = {}
+    for i, piece in enumerate(pieces):
+        by_place.setdefault((piece.axes, piece.place), []).append(i)
+    results = []
+    for (axes, _), members in by_place.items():
+        vectors, partials = [], {}
+        for view, view_terms in zip(views, terms):
+            if id(view_terms) not in partials:
+                parts = [_per_leaf(pieces[i], view_terms[i], reducer) for i in members]
+                parts = [v.astype(dtype) for v in parts]
+                vector = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+                # Without the barrier XLA turns `sum(reduce(x, leaf by leaf))` back into a
+                # reduction of `x`, which then runs once for the global norm and once for the
+                # groups; with it, every view sums the same partials, computed once.
+                partials[id(view_terms)] = lax.optimization_barrier(vector)
+            ids = np.concatenate([np.asarray(view.ids(pieces[i]), np.int32) for i in members])
+            vectors.append(_segment(partials[id(view_terms)], ids, view.count, how))
+        vector = vectors[0] if len(vectors) == 1 else jnp.concatenate(vectors)
         if axes:
-            total = lax.psum(total, axes) if how == "sum" else lax.pmax(total, axes)
-        totals.append(total)
-    stacked = jnp.stack(totals) if len(totals) > 1 else totals[0]
-    return jnp.sum(stacked) if how == "sum" else jnp.max(stacked)
+            vector = lax.psum(vector, axes) if how == "sum" else lax.pmax(vector, axes)
+        results.append(vector)
+    if len({place for _, place in by_place}) > 1:
+        results = [jax.device_put(r, results[0].sharding) for r in results]
+    stacked = jnp.stack(results) if len(results) > 1 else results[0][None]
+    return jnp.sum(stacked, axis=0) if how == "sum" else jnp.max(stacked, axis=0)
 
 
-def _tree_norm(leaves, leaf_axes, p, dtype):
-    """The global norm of already stacked `leaves` for a static order, or a traced finite
-    one."""
+def _needs_rescale_views(total, p, views):
+    """Buckets whose plain sum lost the norm; every bucket if the global sum did. An exactly
+    zero group is trusted (a frozen layer must not send every step down the slow path); an
+    exactly zero sum of everything is not."""
+    overall = _needs_rescale(total[-1], p, zero_is_exact=False)
+    if len(views) == 1:
+        return overall[None] if overall.ndim == 0 else overall
+    return _needs_rescale(total, p, zero_is_exact=True) | overall
+
+
+def _norms_for_order(pieces, views, p, dtype):
+    """Every view's norms, one vector (the global norm last), for an order `p` (static, or
+    traced in one branch of `_norms_traced_order`)."""
+    arrays = [piece.array for piece in pieces]
     if _is_static(p) and p == math.inf:
-        return _combine(
-            leaves, leaf_axes, lambda a: _largest_magnitude(a, None, False), "max", dtype
-        )
+        magnitudes = [_magnitude(a) for a in arrays]
+        return _reduce_buckets(pieces, views, [magnitudes] * len(views), _max, "max", dtype)
 
-    def largest_of(arrays):
-        return _combine(arrays, leaf_axes, lambda a: _largest_part(a, None, False), "max", dtype)
+    def expand(values, i, a):
+        if values is None:
+            return views  # (only its length is used: how many views)
+        return [view.expand(values, pieces[i], a) for view in views]
 
-    def reduce(arrays):
-        return _combine(arrays, leaf_axes, jnp.sum, "sum", dtype)
+    def largest(arrays):
+        magnitudes = [_part_magnitude(a) for a in arrays]
+        return _reduce_buckets(pieces, views, [magnitudes] * len(views), _max, "max", dtype)
 
-    if _is_static(p) and not any(leaf_axes):
-        return _norm_with_rules(list(leaves), p, reduce, largest_of, False)
-    # Inside shard_map/pmap (collectives) or for a traced order: plain autodiff and batching.
-
-    def total_for(inverse_scale):
-        return reduce([magnitude_power(a, p, inverse_scale) for a in leaves])
-
-    return _safe_norm(
-        total_for(None), p, lambda: largest_of(leaves), total_for, zero_is_exact=False
+    return _norm_with_rules(
+        arrays,
+        p,
+        reduce=lambda terms: _reduce_buckets(pieces, views, terms, _sum, "sum", dtype),
+        largest=largest,
+        expand=expand,
+        needs_rescale=lambda total: _needs_rescale_views(total, p, views),
+        # Inside shard_map/pmap (collectives) or for a traced order: JAX's own autodiff and
+        # batching of the `cond` (correct; the fallback's scale carries no gradient).
+        rules=_is_static(p) and not any(piece.axes for piece in pieces),
     )
 
 
-def _tree_norm_traced(leaves, leaf_axes, p, dtype):
-    """The norm for an order known only at run time (`inject_hyperparams`): one branch runs."""
+def _norms_traced_order(pieces, views, p, dtype):
+    """The norms for an order known only at run time (`inject_hyperparams`): one branch runs."""
     p = jnp.asarray(p).astype(dtype)
     index = jnp.where(
         p == 2, 0, jnp.where(p == 1, 1, jnp.where(p == jnp.inf, 2, jnp.where(p > 0, 3, 4)))
     )
+    size = sum(view.count for view in views)
     branches = [
-        lambda: _tree_norm(leaves, leaf_axes, 2.0, dtype),
-        lambda: _tree_norm(leaves, leaf_axes, 1.0, dtype),
-        lambda: _tree_norm(leaves, leaf_axes, math.inf, dtype),
-        lambda: _tree_norm(leaves, leaf_axes, p, dtype),
-        lambda: jnp.full((), jnp.nan, dtype),  # an order that is not > 0
+        lambda: _norms_for_order(pieces, views, 2.0, dtype),
+        lambda: _norms_for_order(pieces, views, 1.0, dtype),
+        lambda: _norms_for_order(pieces, views, math.inf, dtype),
+        lambda: _norms_for_order(pieces, views, p, dtype),
+        lambda: jnp.full((size,), jnp.nan, dtype),  # an order that is not > 0
     ]
     return lax.switch(index, branches)
 
 
-def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
-    """The `p`-norm of all `leaves` together; `leaf_axes[i]` are the mesh axes leaf i is split over.
+def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets: Sequence[int] = ()):
+    """``(global norm, bucket norms)`` of `leaves`: the `p`-norm of all of them together, and of
+    each bucket of them (`buckets[i]` is leaf i's, numbered from 0; without `buckets`, the
+    bucket norms are just the global norm, shape (1,)).
 
-    `p` is a Python float from `_checks.check_ord`, or a traced order.
+    `leaf_axes[i]` are the mesh axes leaf i is split over; `p` is a Python float from
+    `_checks.check_ord`, or a traced order. The bucket norms come from the same partial sums as
+    the global norm (no second pass over the leaves), and the global norm is the same, bit for
+    bit, with or without buckets.
     """
+    buckets = tuple(buckets)
+    views = _views(buckets, len(leaves))
     dtype = widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
-        return jnp.zeros((), dtype)
-    leaves, leaf_axes = _stack_leaves(leaves, leaf_axes)
+        return jnp.zeros((), dtype), jnp.zeros((views[0].count,), dtype)
+    pieces = _stack_leaves(leaves, leaf_axes)
     if _is_static(p):
-        return _tree_norm(leaves, leaf_axes, p, dtype)
-    return _tree_norm_traced(leaves, leaf_axes, p, dtype)
+        norms = _norms_for_order(pieces, views, p, dtype)
+    else:
+        norms = _norms_traced_order(pieces, views, p, dtype)
+    return norms[-1], norms[: views[0].count]
+
+
+def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
+    """The `p`-norm of all `leaves` together (see `tree_norms`)."""
+    return tree_norms(leaves, leaf_axes, p)[0]
 
 
 # ----------------------------------------------------------------------------------------------
-# Which mesh axes each leaf is split over.
-
-
-def _is_spec_leaf(value) -> bool:
-    return (
-        value is None
-        or isinstance(value, (str, PartitionSpec))
-        or (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and value != ())
-    )
-
-
-def _spec_axes(spec) -> tuple:
-    """The mesh axis names a `PartitionSpec`, a name, a tuple of names or None splits over."""
-    if spec is None:
-        return ()
-    if isinstance(spec, str):
-        return (spec,)
-    names = []
-    for entry in spec:
-        if entry is None or entry is PartitionSpec.UNCONSTRAINED:
-            continue
-        names.extend([entry] if isinstance(entry, str) else list(entry))
-    for name in names:
-        if not isinstance(name, str):
-            raise ValueError(
-                f"`axis_name` entries must be mesh axis names, got {name!r} in {spec}."
-            )
-    return tuple(sorted(set(names)))
-
-
-class _LeafSpecs:
-    """The specs of the leaves under one `axis_name` entry: an opaque pytree leaf, so that list
-    nodes in `axis_name` (a list of `PartitionSpec`s) are not mistaken for results."""
-
-    def __init__(self, specs: list):
-        self.specs = specs
-
-
-def leaf_specs(tree, axis_name) -> list:
-    """For each leaf of `tree` (in order), the part of `axis_name` that describes it: None, a mesh
-    axis name, a tuple of names or a `PartitionSpec`."""
-    n = len(jax.tree.leaves(tree))
-    if axis_name is None:
-        return [None] * n
-    if isinstance(axis_name, (str, PartitionSpec)) or (
-        type(axis_name) is tuple and axis_name and all(isinstance(a, str) for a in axis_name)
-    ):
-        return [axis_name] * n
-
-    def per_subtree(spec, subtree):
-        return _LeafSpecs([spec] * len(jax.tree.leaves(subtree)))
-
-    try:
-        per_leaf = jax.tree.map(per_subtree, axis_name, tree, is_leaf=_is_spec_leaf)
-    except (ValueError, TypeError) as error:
-        raise ValueError(
-            "`axis_name` must be a mesh axis name, a tuple of names, or a pytree of "
-            "PartitionSpecs / names matching the updates (or a prefix of them, like "
-            f"shard_map's `in_specs`); it does not match the updates: {error}"
-        ) from None
-    out = [spec for group in jax.tree.leaves(per_leaf) for spec in group.specs]
-    if len(out) != n:
-        raise ValueError(f"`axis_name` describes {len(out)} leaves but the updates have {n}.")
-    return out
-
-
-def leaf_mesh_axes(tree, axis_name) -> list[tuple]:
-    """For each leaf of `tree` (in order), the sorted mesh axis names it is split over."""
-    return [_spec_axes(spec) for spec in leaf_specs(tree, axis_name)]
+# Norms across devices, and the entry points.
 
 
 def all_reduce_norm(norm, mesh_axes: tuple):
@@ -484,7 +591,13 @@ def float_leaves(tree, what: str):
     return leaves
 
 
-def global_norm_of(tree, p, axis_name, what: str):
-    """The global `p`-norm of a checked tree (`p` already normalised by `_checks.check_ord`)."""
+def norms_of(tree, p, axis_name, what: str, buckets: Sequence[int] = ()):
+    """``(global norm, bucket norms)`` of a checked tree (`p` from `_checks.check_ord`), reduced
+    over the mesh axes `axis_name` gives or JAX's tracking infers (`_axes.leaf_axes`)."""
     leaves = float_leaves(tree, what)
-    return tree_norm(leaves, leaf_mesh_axes(tree, axis_name), p)
+    return tree_norms(leaves, _axes.leaf_axes(tree, axis_name, what), p, buckets)
+
+
+def global_norm_of(tree, p, axis_name, what: str):
+    """The global `p`-norm of a checked tree (see `norms_of`)."""
+    return norms_of(tree, p, axis_name, what)[0]

@@ -35,6 +35,7 @@ from multidevice import (  # noqa: E402  (the helpers and references of the one-
     mixed_tree,
     record,
     ref_clip,
+    ref_group_norms,
     ref_norm,
     ref_sgd_step,
     rel_err,
@@ -117,6 +118,19 @@ def run_checks(mesh):
     check_shards("distributed/shard_map/params", new_params, want_params)
     check_shards("distributed/shard_map/norm", norm, want_norm)
     values["shard_map/norm"] = float(norm.addressable_data(0))
+
+    # Per-leaf norms across the processes: under jit, and inside shard_map with the axes read
+    # from how each leaf varies (axis_name=None).
+    def group_norms(grads):
+        tx = optclip.global_clip(1.0, group_norms="leaf")
+        return tx.update(grads, tx.init(grads))[1].group_norms.values
+
+    want_groups = ref_group_norms(grads, "leaf")
+    check_shards("distributed/groups/jit", jax.jit(group_norms)(g), want_groups)
+    smap_groups = jax.jit(jax.shard_map(group_norms, mesh=mesh, in_specs=(specs,), out_specs=P()))
+    got = smap_groups(g)
+    check_shards("distributed/groups/shard_map-auto", got, want_groups)
+    values["groups"] = np.asarray(got.addressable_data(0)).tolist()
     return values
 
 

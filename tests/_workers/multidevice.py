@@ -165,12 +165,14 @@ def hlo_collectives(text):
     return shapes, gathers
 
 
-def check_hlo(name, compiled_text):
-    """The program all-reduces scalars only and all-gathers nothing."""
+def check_hlo(name, compiled_text, max_elements=optclip._norms.STACK_CHUNK):
+    """The program all-reduces only small vectors of partial sums (at most `max_elements`: one
+    per leaf of a stack, or one per group), never a gradient, and all-gathers nothing."""
     shapes, gathers = hlo_collectives(compiled_text)
     dims = [d for s in shapes for d in re.findall(r"\[([^\]]*)\]", s)]
-    scalar_only = bool(shapes) and all(d == "" for d in dims)
-    record(name, scalar_only and gathers == 0, note=f"all-reduce {shapes}, all-gather {gathers}")
+    sizes = [math.prod(int(n) for n in d.split(",") if n) for d in dims]
+    small = bool(shapes) and all(size <= max_elements for size in sizes)
+    record(name, small and gathers == 0, note=f"all-reduce {shapes}, all-gather {gathers}")
 
 
 def jit_checks(kind, axis_types):
@@ -359,6 +361,7 @@ def shard_map_checks():
         .lower(g)
         .compile()
         .as_text(),
+        max_elements=1,  # inside shard_map: one psum of the one norm's total per set of axes
     )
 
     # Optax inside shard_map clips every device by its own local norm; optclip does not.
@@ -390,10 +393,8 @@ def shard_map_checks():
     check("shard_map-optax-differs/optclip_is_right", ours, want)
 
 
-def low_precision_checks():
-    """float16 leaves whose squares overflow float16 and bfloat16 leaves, inside shard_map."""
-    rng = np.random.default_rng(3)
-    mesh = mesh_2d()
+def low_precision_tree(rng):
+    """float16 leaves whose squares overflow float16, bfloat16 leaves, and their specs."""
     tree = {
         "f16": (300.0 * rng.standard_normal((8, 16))).astype(np.float16),
         "f16_rep": (500.0 * rng.standard_normal((5,))).astype(np.float16),
@@ -408,6 +409,14 @@ def low_precision_checks():
         "bf16_rep": P(),
         "f32": P("data"),
     }
+    return tree, specs
+
+
+def low_precision_checks():
+    """float16 leaves whose squares overflow float16 and bfloat16 leaves, inside shard_map."""
+    rng = np.random.default_rng(3)
+    mesh = mesh_2d()
+    tree, specs = low_precision_tree(rng)
     shard_map_clip_checks("shard_map-lowp", tree, specs, specs, mesh, max_norm=100.0)
     # The float16 leaves alone: their sum of squares is far beyond float16's range.
     f16 = {"f16": tree["f16"], "f16_rep": tree["f16_rep"]}
@@ -559,6 +568,247 @@ def adaptive_checks():
         check(f"adaptive/{name}/threshold", got_threshold, want_threshold)
 
 
+# ----------------------------------------------------------------------------------------------
+# 8. `axis_name` checked against the bound axes and against how each leaf varies over the mesh.
+
+
+def expect_error(name, fn, error_type, pattern):
+    """`fn()` raises `error_type` whose message matches `pattern`."""
+    try:
+        fn()
+    except error_type as error:
+        record(name, re.search(pattern, str(error)) is not None, note=str(error)[:400])
+        return
+    except Exception as error:  # noqa: BLE001 - the wrong error is a failed check, reported
+        record(name, False, note=f"{type(error).__name__}: {str(error)[:400]}")
+        return
+    record(name, False, note="no error")
+
+
+def axis_check_checks():
+    rng = np.random.default_rng(6)
+    mesh = mesh_2d()
+    tree, specs = mixed_tree(rng)
+    g = put(tree, specs, mesh)
+    ones = np.ones((8, 3), np.float32)
+
+    def norm_in_shard_map(axis_name, check_vma=True):
+        fn = smap(
+            lambda t: optclip.global_norm(t, axis_name=axis_name),
+            mesh,
+            (specs,),
+            P(),
+            check_vma=check_vma,
+        )
+        return lambda: fn(g)
+
+    expect_error(
+        "axis-checks/unbound_in_shard_map",
+        norm_in_shard_map("nope"),
+        ValueError,
+        r"`axis_name` names mesh axis 'nope', which is not bound: the mesh axes bound here are "
+        r"'data', 'model'\.",
+    )
+    expect_error(
+        "axis-checks/unbound_in_pmap",
+        lambda: jax.pmap(lambda x: optclip.global_norm(x, axis_name="nope"), axis_name="i")(ones),
+        ValueError,
+        r"`axis_name` names mesh axis 'nope', which is not bound: the mesh axes bound here are "
+        r"'i'\.",
+    )
+    expect_error(
+        "axis-checks/unbound_under_jit",
+        lambda: jax.jit(lambda t: optclip.global_norm(t, axis_name="data"))(g),
+        ValueError,
+        r"which is not bound: no mesh axis is bound here \(`axis_name` is for code inside "
+        r"`jax.shard_map` or `jax.pmap`; under `jax.jit` with sharded arrays leave it None\)",
+    )
+    # The issue's silent overcount: a replicated leaf declared split over "data".
+    expect_error(
+        "axis-checks/replicated_leaf_declared_split",
+        norm_in_shard_map(dict(specs, bias=P("data"))),
+        ValueError,
+        r"`axis_name` declares leaf `\['bias'\]` split over 'data', but it does not vary over "
+        r"that axis: it is replicated there, and global_norm would count it 4 times\.",
+    )
+    expect_error(
+        "axis-checks/a_name_for_every_leaf_counts_replicated_leaves_too",
+        norm_in_shard_map("data"),
+        ValueError,
+        r"declares leaf `\['bias'\]` split over 'data', but it does not vary over that axis",
+    )
+    # optax's local-norm bug, made by hand: a leaf split over an axis not declared.
+    expect_error(
+        "axis-checks/undeclared_axis",
+        norm_in_shard_map(dict(specs, both=P("data"))),
+        ValueError,
+        r"Leaf `\['both'\]` varies over mesh axis 'model', which `axis_name` does not declare "
+        r"for it: each device would clip by the norm of its own piece\.",
+    )
+    tx = optclip.global_clip(1.0, axis_name=dict(specs, model=P()))
+    expect_error(
+        "axis-checks/global_clip_update",
+        lambda: smap(lambda t: tx.update(t, tx.init(t))[0], mesh, (specs,), specs)(g),
+        ValueError,
+        r"Leaf `\['model'\]` varies over mesh axis 'model', which `axis_name` does not declare",
+    )
+    expect_error(
+        "axis-checks/auto_in_pmap",
+        lambda: jax.pmap(lambda x: optclip.global_norm(x, axis_name="auto"), axis_name="i")(ones),
+        ValueError,
+        r"`axis_name='auto'` reads each leaf's mesh axes from JAX's tracking .* here \(under "
+        r"`pmap`, or `check_vma=False`\) name the axes",
+    )
+    expect_error(
+        "axis-checks/auto_without_check_vma",
+        norm_in_shard_map("auto", check_vma=False),
+        ValueError,
+        r"`axis_name='auto'` reads each leaf's mesh axes",
+    )
+    agc = optclip.agc(0.1)
+    expect_error(
+        "axis-checks/agc_needs_the_specs",
+        lambda: smap(lambda t: agc.update(t, agc.init(t), t)[0], mesh, (specs,), specs)(g),
+        ValueError,
+        r"`agc` inside `shard_map`: leaf `\['both'\]` varies over mesh axes \['data', 'model'\], "
+        r"so it is split, but `axis_name` is None\.",
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# 9. `axis_name=None` / "auto" inside shard_map: each leaf's axes read from JAX's tracking.
+
+
+def auto_checks():
+    rng = np.random.default_rng(7)
+    mesh = mesh_2d()
+    tree, specs = mixed_tree(rng)
+    shard_map_clip_checks("auto/none", tree, specs, None, mesh)
+    shard_map_clip_checks("auto/auto", tree, specs, "auto", mesh)
+    shard_map_clip_checks("auto/auto-axis-types", tree, specs, None, mesh_2d(AxisType.Auto))
+    # (the data of `low_precision_checks`: with lr 0.1 no bfloat16 parameter lands near zero,
+    # where its rounding would be a large relative error)
+    lowp, lowp_specs = low_precision_tree(np.random.default_rng(3))
+    shard_map_clip_checks("auto/lowp", lowp, lowp_specs, None, mesh, max_norm=100.0)
+    g = put(tree, specs, mesh)
+    for p in (1.0, math.inf):
+        norm = smap(lambda t, p=p: optclip.global_norm(t, ord=p), mesh, (specs,), P())(g)
+        check(f"auto/ord={p}", norm, ref_norm(tree, p))
+    for name, tx in {
+        "autoclip": optclip.autoclip(50.0, history=4),
+        "zclip": optclip.zclip(warmup_steps=1, max_norm=None),
+    }.items():
+        norm = smap(lambda t, tx=tx: tx.update(t, tx.init(t))[1].global_norm, mesh, (specs,), P())
+        check(f"auto/{name}", norm(g), ref_norm(tree))
+    # Outside shard_map, "auto" has nothing to reduce: sharded arrays are whole arrays.
+    norm = jax.jit(lambda t: optclip.global_norm(t, axis_name="auto"))(g)
+    check("auto/jit", norm, ref_norm(tree))
+
+
+# ----------------------------------------------------------------------------------------------
+# 10. Group norms on several devices: under sharded jit, inside shard_map and pmap.
+
+
+def ref_group_norms(tree, spec, p=2.0):
+    names, buckets = optclip._groups.assign(spec, tree)
+    leaves = jax.tree.leaves(tree)
+    return np.array(
+        [
+            reference.ref_global_norm([x for x, b in zip(leaves, buckets) if b == i], p)
+            for i in range(len(names))
+        ]
+    )
+
+
+def group_checks():
+    rng = np.random.default_rng(8)
+    mesh = mesh_2d()
+    tree, specs = mixed_tree(rng)
+    tree["one"] = rng.standard_normal((8,)).astype(np.float32)
+    tree["one"][3] = 4e20  # a square that overflows, on one device only: the fallback
+    specs["one"] = P("data")
+    g = put(tree, specs, mesh)
+
+    def groups(t, spec, axis_name=None, p=2.0):
+        tx = optclip.global_clip(1.0, axis_name=axis_name, group_norms=spec, ord=p)
+        state = tx.update(t, tx.init(t))[1]
+        return state.global_norm, state.group_norms.values
+
+    for spec in ("leaf", 1):
+        want = ref_group_norms(tree, spec)
+        norm, values = jax.jit(lambda t, s=spec: groups(t, s))(g)
+        check(f"groups/jit/{spec}/norm", norm, ref_norm(tree))
+        check(f"groups/jit/{spec}/values", values, want)
+        for label, axis_name in (("specs", specs), ("auto", None)):
+            fn = smap(lambda t, s=spec, a=axis_name: groups(t, s, a), mesh, (specs,), (P(), P()))
+            norm, values = fn(g)
+            check(f"groups/shard_map-{label}/{spec}/norm", norm, ref_norm(tree))
+            check(f"groups/shard_map-{label}/{spec}/values", values, want)
+        fn = smap(lambda t, s=spec: groups(t, s, p=math.inf)[1], mesh, (specs,), P())
+        check(f"groups/shard_map-inf/{spec}", fn(g), ref_group_norms(tree, spec, math.inf))
+    names = optclip._groups.assign("leaf", tree)[0]
+    check_hlo(
+        "hlo/shard_map/group_norms",
+        smap(lambda t: groups(t, "leaf")[1], mesh, (specs,), P()).lower(g).compile().as_text(),
+        max_elements=len(names) + 1,
+    )
+    n = jax.device_count()
+    split = {
+        "w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+        "b": rng.standard_normal((n, 4)).astype(np.float32),
+    }
+    values = jax.pmap(lambda t: groups(t, "leaf", "i")[1], axis_name="i")(split)
+    check("groups/pmap", values, np.broadcast_to(ref_group_norms(split, "leaf"), (n, 2)))
+
+
+# ----------------------------------------------------------------------------------------------
+# 11. Eager leaves on different devices (PyTorch's test_clip_grad_norm_multi_device).
+
+
+def device_checks():
+    rng = np.random.default_rng(9)
+    devices = jax.devices()
+    tree = {
+        "layer0": {"w": rng.standard_normal((4, 3)).astype(np.float32), "b": np.ones(3)},
+        "layer1": {"w": rng.standard_normal((3, 2)).astype(np.float32), "b": np.ones(2)},
+        "layer2": (1e20 * rng.standard_normal((8,))).astype(np.float32),
+    }
+    mesh = jax.make_mesh((4,), ("d",), devices=devices[4:])
+    placed = {
+        "layer0": jax.device_put(tree["layer0"], devices[0]),
+        "layer1": jax.device_put(tree["layer1"], devices[1]),
+        "layer2": jax.device_put(tree["layer2"], NamedSharding(mesh, P("d"))),
+    }
+    where = jax.tree.map(lambda x: x.sharding.device_set, placed)
+    record(
+        "devices/optax_fails",
+        _raises(lambda: optax.tree.norm(placed)),
+        note="optax.tree.norm of leaves on different devices",
+    )
+    check("devices/global_norm", optclip.global_norm(placed), ref_norm(tree))
+    check("devices/global_norm/ord=1", optclip.global_norm(placed, ord=1), ref_norm(tree, 1.0))
+    clipped, norm = optclip.clip_by_global_norm(placed, 1.0)
+    want, want_norm = ref_clip(tree, 1.0)
+    check("devices/clip_by_global_norm/norm", norm, want_norm)
+    check("devices/clip_by_global_norm/tree", clipped, want)
+    tx = optclip.global_clip(1.0, group_norms=1)
+    updates, state = tx.update(placed, tx.init(placed))
+    check("devices/global_clip/updates", updates, want)
+    check("devices/global_clip/groups", state.group_norms.values, ref_group_norms(tree, 1))
+    stayed = jax.tree.map(
+        lambda x, d: x.sharding.device_set == d, (clipped, updates), (where, where)
+    )
+    record("devices/leaves_stay_on_their_devices", all(jax.tree.leaves(stayed)))
+
+
+def _raises(fn) -> bool:
+    try:
+        jax.block_until_ready(fn())
+    except Exception:  # noqa: BLE001 - any error is what is recorded
+        return True
+    return False
+
+
 def main():
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
     if jax.device_count() != 8:
@@ -577,6 +827,14 @@ def main():
         pmap_checks()
     with group("adaptive"):
         adaptive_checks()
+    with group("axis-checks"):
+        axis_check_checks()
+    with group("auto"):
+        auto_checks()
+    with group("groups"):
+        group_checks()
+    with group("devices"):
+        device_checks()
     print("RESULT " + json.dumps(RESULTS))
 
 

@@ -1,0 +1,155 @@
+"""`optclip.metrics`: every optclip state inside an optimizer state, as one flat dict."""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+
+from optclip._adaptive import AGCState, AutoClipState, ZClipState
+from optclip._groups import is_variable
+from optclip._transforms import ClippedState, GlobalClipState
+
+KINDS = {
+    GlobalClipState: "global_clip",
+    AutoClipState: "autoclip",
+    ZClipState: "zclip",
+    AGCState: "agc",
+    ClippedState: "clipped",
+}
+_STATES = tuple(KINDS)
+
+
+def _is_state(x) -> bool:
+    return isinstance(x, _STATES)
+
+
+def _find(tree, path=()) -> list:
+    """``(key path, state)`` of every optclip state in `tree`, in tree order."""
+    found = []
+    for sub, node in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]:
+        if not _is_state(node):
+            continue
+        found.append((path + sub, node))
+        if isinstance(node, ClippedState):
+            for field in ("clip_state", "inner_state"):
+                found += _find(getattr(node, field), path + sub + (GetAttrKey(field),))
+    return found
+
+
+def _key_text(key) -> str:
+    if isinstance(key, SequenceKey):
+        return str(key.idx)
+    if isinstance(key, DictKey):
+        return str(key.key)
+    if isinstance(key, GetAttrKey):
+        return key.name
+    if isinstance(key, FlattenedIndexKey):
+        return str(key.key)
+    return str(key)
+
+
+def _unwrap(x):
+    getter = getattr(x, "get_value", None)
+    return getter() if callable(getter) else x.value
+
+
+def _plain(state):
+    """`state` with its fields as arrays: Flax NNX keeps them in Variables whose value the next
+    update replaces in place, so logging the Variable itself logs the last step every time."""
+    return jax.tree.map(lambda x: _unwrap(x) if is_variable(x) else x, state, is_leaf=is_variable)
+
+
+def _fields(state) -> list:
+    """The loggable fields of one state (derived ones included), as ``(name, value thunk)``:
+    the names are known without computing anything."""
+    if isinstance(state, ClippedState):
+        return [("skip_count", lambda: state.skip_count)]
+    out = [("global_norm", lambda: state.global_norm), ("threshold", lambda: state.threshold)]
+    if "scale" in state._fields:
+        out.append(("clipped", lambda: jnp.isfinite(state.global_norm) & (state.scale < 1)))
+        out.append(("scale", lambda: state.scale))
+    if isinstance(state, ZClipState):
+        out += [("mean", lambda: state.mean), ("std", lambda: jnp.sqrt(state.var))]
+    for name in ("clip_count", "spike_count", "nonfinite_count", "count"):
+        if name in state._fields:  # (not `hasattr`: a NamedTuple has a `count` method)
+            out.append((name, functools.partial(getattr, state, name)))
+    if state.group_norms is not None:
+        for i, name in enumerate(state.group_norms.names):
+            out.append((f"group_norm/{name}", functools.partial(_item, state.group_norms, i)))
+    return out
+
+
+def _item(group_norms, i):
+    return group_norms.values[i]
+
+
+@jax.jit
+def _collect(states: tuple) -> tuple:
+    """Every field's value, as fresh arrays (one dispatch for all of them)."""
+    return tuple(jnp.array(value()) for state in states for _, value in _fields(state))
+
+
+def metrics(opt_state) -> dict:
+    """Every optclip clip's state in `opt_state`, as a flat dict of arrays ready for a logger.
+
+    Finds the state of every :func:`global_clip`, :func:`autoclip`, :func:`zclip`, :func:`agc`
+    and :func:`clipped` anywhere in an optimizer state: in ``optax.chain``, ``clipped``,
+    ``optax.MultiSteps``, ``optax.masked``, ``optax.inject_hyperparams``, ``optax.multi_transform``
+    and a Flax NNX ``nnx.Optimizer``'s ``opt_state`` (whose Variables are read, so every entry is
+    a plain array of this step, not a Variable the next update overwrites).
+
+    Keys are ``"<clip>/<field>"``: ``global_clip/global_norm`` (before clipping),
+    ``global_clip/clipped`` (whether this step was scaled down), ``global_clip/scale`` (the factor
+    applied), ``global_clip/threshold``, the counters (``clip_count``, ``nonfinite_count``,
+    ``count``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), and one
+    ``global_clip/group_norm/<group>`` per group with ``group_norms=``. When a chain holds two
+    clips of one kind, each is named by where it sits: ``global_clip[0]/global_norm``,
+    ``global_clip[1]/global_norm`` (unlike ``optax.tree.get``, which then raises).
+
+    The values are fresh arrays (copies): safe to keep after the state is donated. Call it
+    inside or outside ``jit``.
+
+    Args:
+      opt_state: an optimizer state (any pytree).
+
+    Returns:
+      A dict from names to 0-d arrays, in the order the clips appear in `opt_state`; empty if it
+      holds no optclip state.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> opt = optax.chain(optclip.global_clip(1.0, group_norms="leaf"), optax.adam(1e-3))
+      >>> params = {"b": jnp.zeros(1), "w": jnp.zeros(2)}
+      >>> state = opt.init(params)
+      >>> _, state = opt.update({"b": jnp.array([12.]), "w": jnp.array([3., 4.])}, state)
+      >>> for name, value in optclip.metrics(state).items():
+      ...     print(name, value)
+      global_clip/global_norm 13.0
+      global_clip/threshold 1.0
+      global_clip/clipped True
+      global_clip/scale 0.07692308
+      global_clip/clip_count 1
+      global_clip/nonfinite_count 0
+      global_clip/count 1
+      global_clip/group_norm/b 12.0
+      global_clip/group_norm/w 5.0
+    """
+    found = _find(opt_state)
+    counts = collections.Counter(KINDS[type(state)] for _, state in found)
+    prefixes = []
+    for path, state in found:
+        kind = KINDS[type(state)]
+        where = ".".join(_key_text(k) for k in path)
+        prefixes.append(kind if counts[kind] == 1 else f"{kind}[{where}]")
+    states = tuple(
+        _plain(ClippedState(None, None, s.skip_count) if isinstance(s, ClippedState) else s)
+        for _, s in found
+    )
+    if not found:
+        return {}
+    names = [f"{prefix}/{name}" for prefix, s in zip(prefixes, states) for name, _ in _fields(s)]
+    return dict(zip(names, _collect(states)))

@@ -1,0 +1,61 @@
+"""Starting the multi-device worker subprocesses, shared by `conftest.py` (which starts the
+8-device worker as soon as the tests are collected, so that it runs on the second core while
+the in-process tests run on the first) and `test_multidevice.py` (which reads its results)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+WORKERS = pathlib.Path(__file__).resolve().parent
+TIMEOUT_S = 300  # per subprocess; the 8-device worker takes about 100 s of one core
+
+
+def env_for(devices: int) -> dict:
+    """This environment with JAX on `devices` CPU devices."""
+    env = dict(os.environ)
+    flags = [
+        f
+        for f in env.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count")
+    ]
+    env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+    env["JAX_PLATFORMS"] = "cpu"
+    # jax.distributed's coordinator speaks gRPC, which would honour a proxy even for 127.0.0.1.
+    for name in ("no_proxy", "NO_PROXY"):
+        env[name] = ",".join(filter(None, [env.get(name), "127.0.0.1", "localhost"]))
+    return env
+
+
+def result(stdout: str):
+    """The JSON a worker printed after ``RESULT``, or None."""
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+
+
+_started: dict = {}
+
+
+def start_multidevice() -> subprocess.Popen:
+    """The 8-device worker, started once per test session."""
+    if "multidevice" not in _started:
+        _started["multidevice"] = subprocess.Popen(
+            [sys.executable, str(WORKERS / "multidevice.py")],
+            env=env_for(8),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return _started["multidevice"]
+
+
+def stop_all() -> None:
+    """Kills and reaps any worker still running (the session is over)."""
+    for proc in _started.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+    _started.clear()
