@@ -1,4 +1,5 @@
-"""The examples and the README: each runs in a quick mode and says what it should."""
+"""The examples: the demo's training runs, plot and printout (in-process), and every example
+script in a quick mode (a subprocess each: the slow tier)."""
 
 import ast
 import importlib.util
@@ -10,6 +11,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,6 +75,7 @@ def test_every_example_has_a_quick_run_and_a_docstring():
         assert ast.get_docstring(ast.parse((EXAMPLES / name).read_text())), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(QUICK_RUNS))
 def test_example_runs(name, quick_runs):
     run = quick_runs[name]
@@ -101,26 +104,71 @@ def test_demo_explodes_without_clipping_and_not_with_global_clip(demo_runs):
     assert 0 < clipped["clipped_steps"] < 40
 
 
+def test_demo_prints_the_recurrent_gradient_growth(demo_runs):
+    demo, runs = demo_runs
+    norms = runs["no clipping"]["recurrent_grad_norms"]
+    assert len(norms) == demo.GROWTH_STEPS
+    assert all(math.isfinite(norm) and norm > 0 for norm in norms)
+    assert norms[-1] > 1e6 * norms[0]  # many orders of magnitude within five steps
+    assert len(runs["global_clip"]["recurrent_grad_norms"]) == demo.GROWTH_STEPS
+
+
+def test_demo_names_the_machine():
+    demo = load_example("rnn_exploding_gradients.py")
+    description = demo.machine_description()
+    assert demo.cpu_model() in description
+    assert f"jax {jax.__version__}" in description
+    assert demo.cpu_model().strip()
+
+
+def test_demo_notes_runs_too_short_to_leave_the_plateau():
+    demo = load_example("rnn_exploding_gradients.py")
+    assert demo.DEFAULT_STEPS == demo.parse_args([]).steps == 3000
+    assert demo.short_run_note(3000) is None
+    note = demo.short_run_note(300)
+    assert "plateau" in note and "default 3000 steps" in note
+
+
 def test_demo_plot(demo_runs, tmp_path):
-    pytest.importorskip("matplotlib")
+    image = pytest.importorskip("matplotlib.image")
     demo, runs = demo_runs
     path = tmp_path / "curves.png"
-    demo.plot(list(runs.values()), path)
-    assert path.stat().st_size > 0
-
-
-def readme_python_blocks():
-    text = (ROOT / "README.md").read_text()
-    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
-
-
-def test_readme_has_python_examples():
-    assert readme_python_blocks()
-
-
-@pytest.mark.parametrize("index", range(len(readme_python_blocks())))
-def test_readme_python_block_runs(index):
-    code = compile(readme_python_blocks()[index], f"README.md block {index}", "exec")
-    # As a reader runs it: with JAX's default dtype promotion (optax.adam needs it).
-    with jax.numpy_dtype_promotion("standard"):
-        exec(code, {})
+    fig = demo.plot(list(runs.values()), path)
+    ax_first, ax_loss, ax_norm = fig.axes
+    for ax in fig.axes:
+        assert ax.get_yscale() == "log"
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+        bottom, top = ax.get_ylim()
+        assert 0 < bottom < top
+    # The first panel holds the whole explosion of the unclipped run, loss and gradient norm.
+    unclipped = runs["no clipping"]
+    assert "inf at step" in ax_first.get_title()
+    bottom, top = ax_first.get_ylim()
+    values = np.asarray(unclipped["losses"] + unclipped["grad_norms"])
+    finite = values[np.isfinite(values)]
+    assert bottom <= finite.min() and finite.max() <= top
+    # The other two hold every value of the runs that stayed finite; the unclipped run leaves
+    # through the top and says so, without stretching the axis.
+    for ax, key in ((ax_loss, "losses"), (ax_norm, "grad_norms")):
+        bottom, top = ax.get_ylim()
+        lines = {line.get_label(): np.asarray(line.get_ydata(), float) for line in ax.get_lines()}
+        in_view = [
+            y
+            for label, y in lines.items()
+            if label in ("predict the mean", "global_clip's threshold")
+        ]
+        for mode, run in runs.items():
+            (label,) = [label for label in lines if label.startswith(demo.mode_label(mode))]
+            assert np.array_equal(lines[label], np.asarray(run[key]), equal_nan=True)
+            finite = lines[label][np.isfinite(lines[label])]
+            if run["nan_step"] is None:
+                assert bottom <= finite.min() and finite.max() <= top
+                in_view.append(finite)
+            else:
+                assert finite.max() > top and "off the top" in label
+        assert top <= 10 * max(y.max() for y in in_view)
+    # The saved file is a real image of the figure's size, not a blank one.
+    pixels = image.imread(path)
+    width, height = demo.FIGSIZE
+    assert pixels.shape[:2] == (round(height * demo.DPI), round(width * demo.DPI))
+    assert pixels[..., :3].std() > 0.05
