@@ -19,16 +19,32 @@ class Side:
     name: str
     global_norm: Callable[[Any], Any]
     global_clip: Callable[[float], optax.GradientTransformation]
+    # Per-example clipping of a list of arrays with a leading batch axis, clipped and summed:
+    # ``fn(grads, max_norm)`` returns the sum first, then whatever else the library returns.
+    per_example_clip: Callable[[Any, float], Any]
+    per_example_layer_clip: Callable[[Any, float], Any]
 
 
 def optax_side() -> Side:
-    return Side("optax", optax.tree.norm, optax.clip_by_global_norm)
+    return Side(
+        "optax",
+        optax.tree.norm,
+        optax.clip_by_global_norm,
+        optax.per_example_global_norm_clip,
+        optax.per_example_layer_norm_clip,
+    )
 
 
 def optclip_side() -> Side:
     import optclip
 
-    return Side("optclip", optclip.global_norm, optclip.global_clip)
+    return Side(
+        "optclip",
+        optclip.global_norm,
+        optclip.global_clip,
+        optclip.per_example_clip,
+        optclip.per_example_layer_clip,
+    )
 
 
 def resolve(name: str) -> Side:

@@ -42,6 +42,29 @@ def transformer_shapes(cfg: TransformerShape) -> dict:
     }
 
 
+def mlp_shapes(widths: tuple[int, ...]) -> list:
+    """Parameter shapes of a dense network: a weight and a bias per layer, in order
+    (``(784, 256, 256, 10)``: 3 layers, 6 leaves, 269,322 parameters)."""
+    shapes = []
+    for fan_in, fan_out in zip(widths[:-1], widths[1:]):
+        shapes += [(fan_in, fan_out), (fan_out,)]
+    return shapes
+
+
+def numpy_tree(shapes, dtype=jnp.float32, seed: int = 0, scale: float = 1.0):
+    """Like `random_tree`, drawn with NumPy: no JAX compilation per distinct shape (which costs
+    seconds in ``--quick`` mode)."""
+    leaves, treedef = jax.tree.flatten(shapes, is_leaf=_is_shape)
+    rng = np.random.default_rng(seed)
+    out = [jnp.asarray(scale * rng.standard_normal(s, dtype=np.float32), dtype) for s in leaves]
+    return jax.tree.unflatten(treedef, out)
+
+
+def per_example(shapes, n: int) -> list:
+    """The same shapes with a leading batch axis of ``n`` examples, as a list."""
+    return [(n, *s) for s in jax.tree.leaves(shapes, is_leaf=_is_shape)]
+
+
 def _is_shape(x) -> bool:
     return isinstance(x, tuple) and all(isinstance(i, int) for i in x)
 

@@ -9,7 +9,7 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-per_example, memory, accuracy.
+per_example, groups, memory, accuracy.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ SECTIONS = (
     "many_leaves",
     "bf16",
     "per_example",
+    "groups",
     "memory",
     "accuracy",
 )
@@ -61,6 +62,7 @@ class Config:
     accuracy_seeds: int
     min_sample_s: float
     per_example: tuple[int, int]  # per-example clipping: (examples, width of the dense layer)
+    per_example_mlp: tuple[int, ...]  # per-example clipping: widths of a dense network
 
     @classmethod
     def make(cls, quick: bool, pairs: int | None, compile_pairs: int | None) -> Config:
@@ -76,6 +78,7 @@ class Config:
                 accuracy_seeds=1,
                 min_sample_s=0.005,
                 per_example=(8, 32),
+                per_example_mlp=(64, 32, 32, 10),
             )
         return cls(
             quick=False,
@@ -88,6 +91,7 @@ class Config:
             accuracy_seeds=3,
             min_sample_s=0.05,
             per_example=(64, 256),
+            per_example_mlp=(784, 256, 256, 10),
         )
 
 
@@ -314,11 +318,12 @@ class Suite:
         )
 
     def per_example(self) -> None:
-        """Per-example clipping (DP-SGD style): `vmap` of the clip over a batch of gradients."""
+        """Per-example clipping (DP-SGD): `vmap` of the clip transform, then the library's
+        per-example functions (clip every example, sum over the batch) against optax's."""
         cfg = self.cfg
         n, width = cfg.per_example
         shapes = {"w": (n, width, width), "b": (n, width)}
-        grads = _trees.random_tree(shapes, jnp.float32, seed=2, scale=1.0)
+        grads = _trees.numpy_tree(shapes, jnp.float32, seed=2)
 
         def per_example_clip(tx):
             def clip(g):
@@ -344,6 +349,116 @@ class Suite:
                 1,
                 None,
                 note="no target: per-example clipping must not run the overflow fallback",
+            )
+        )
+
+        # The per-example functions on two trees: the dense layer above and a small MLP.
+        widths = "-".join(str(w) for w in cfg.per_example_mlp)
+        trees = {
+            f"{width}x{width}+{width}": [(width, width), (width,)],
+            f"MLP {widths}": _trees.mlp_shapes(cfg.per_example_mlp),
+        }
+        if cfg.quick:  # one tree: every row kind still runs, in a few seconds
+            trees = dict(list(trees.items())[1:])
+        side = self.side
+        contenders = [  # (ours, optax's): what each row compares
+            ("per_example_clip", side.per_example_clip, optax.per_example_global_norm_clip),
+            (
+                "per_example_layer_clip",
+                side.per_example_layer_clip,
+                optax.per_example_layer_norm_clip,
+            ),
+        ]
+        batches = {
+            name: _trees.numpy_tree(_trees.per_example(shapes, n), jnp.float32, seed=3)
+            for name, shapes in trees.items()
+        }
+        # Jitted as inside a DP-SGD step: the sum feeds the optimizer (noise, update), so it is
+        # the output; the counts (and optclip's norms) are dropped by XLA on both sides.
+        for name, batch in batches.items():
+            self.log(f"per-example functions, run time ({n} examples, {name})")
+            fns = [jax.jit(lambda g, f=f: f(g, 1.0)[0]) for _, a, b in contenders for f in (a, b)]
+            p = _timing.interleaved(
+                [lambda f=f, batch=batch: f(batch) for f in fns],
+                pairs=cfg.pairs,
+                min_sample_s=cfg.min_sample_s,
+            )
+            for k, (label, _, _) in enumerate(contenders):
+                row_name = f"{label} run, {n} x {name}"
+                self.rows.append(_ratio_row("per_example", row_name, p, 2 * k, 2 * k + 1, 1.00))
+            # Context, timed apart (it is ~20x slower, and timed among the others it sets how
+            # many calls every sample makes): what users wrote before, vmap of the global
+            # clip then a sum, against the library's per-example clip and optax's.
+            vmap_sum = jax.jit(lambda g: jax.tree.map(lambda x: x.sum(0), ours(g)))
+            pv = _timing.interleaved(
+                [lambda f=f, batch=batch: f(batch) for f in (vmap_sum, fns[0], fns[1])],
+                pairs=cfg.pairs,
+                min_sample_s=cfg.min_sample_s,
+            )
+            row = _ratio_row(
+                "per_example", f"vmap(global clip) + sum run, {n} x {name}", pv, 0, 1, None
+            )
+            row.ref_name = f"{side.name} per_example_clip"
+            row.note = f"{pv.ratio(0, 2):.2f}x optax.per_example_global_norm_clip"
+            self.rows.append(row)
+
+        # Compile times last: they clear JAX's caches.
+        for name, batch in batches.items():
+            self.log(f"per-example functions, compile time ({n} examples, {name})")
+
+            def maker(f):
+                return lambda: lambda g: f(g, 1.0)[0]
+
+            makers = [maker(f) for _, a, b in contenders for f in (a, b)]
+            pc = _timing.interleaved_compile(
+                makers, [(batch,)] * len(makers), pairs=cfg.compile_pairs
+            )
+            for k, (label, _, _) in enumerate(contenders):
+                self.rows.append(
+                    _ratio_row(
+                        "per_example",
+                        f"{label} compile, {n} x {name}",
+                        pc,
+                        2 * k,
+                        2 * k + 1,
+                        None,
+                        note=f"{cfg.compile_pairs} pairs",
+                    )
+                )
+
+    def groups(self) -> None:
+        """Per-leaf norms (`group_norms="leaf"`) in the state: the step with them against the
+        same step without them, on a 1000-leaf model (the norms come from the same partial sums,
+        so the target is parity)."""
+        if self.side.name != "optclip":
+            self.log("groups: skipped (only optclip keeps group norms)")
+            return
+        import optclip
+
+        n, size = self.cfg.chain_leaves
+        tree = _trees.many_leaves(n, size, seed=3)
+        runners = []
+        for spec in ("leaf", None):
+            opt = optax.chain(optclip.global_clip(1.0, group_norms=spec), optax.adam(1e-3))
+            fn = jax.jit(opt.update, donate_argnums=(1,))
+            box = [opt.init(tree)]
+
+            def run(fn=fn, box=box):
+                updates, box[0] = fn(tree, box[0])
+                return updates
+
+            runners.append(run)
+        self.log(f"groups: clip+adam step with and without a norm per leaf ({n} x {size})")
+        p = _timing.interleaved(runners, pairs=self.cfg.pairs, min_sample_s=self.cfg.min_sample_s)
+        self.rows.append(
+            _ratio_row(
+                "groups",
+                f"clip+adam step, a norm per leaf vs none, {n} leaves x {size}",
+                p,
+                0,
+                1,
+                1.02,
+                ref_name="no groups",
             )
         )
 

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_quick_suite_runs_and_prints_table(tmp_path):
     out = tmp_path / "results.json"
     env = dict(os.environ)
@@ -37,9 +40,15 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
         "many_leaves",
         "bf16",
         "per_example",
+        "groups",
         "memory",
         "accuracy",
     }, sections
+    per_example = [row["name"] for row in results["rows"] if row["section"] == "per_example"]
+    for kind in ("run", "compile"):  # the per-example functions against optax's
+        for fn in ("per_example_clip", "per_example_layer_clip"):
+            assert any(name.startswith(f"{fn} {kind}, ") for name in per_example), per_example
+    assert results["machine"]["cpu"], results["machine"]
     accuracy = [row for row in results["rows"] if row["section"] == "accuracy"]
     assert len(accuracy) == 6  # {bfloat16, float16} x {10, 100, 1000} leaves
     for row in accuracy:
