@@ -101,7 +101,8 @@ def check_spec(spec):
     raise ValueError(f"{ACCEPTED}; got {spec!r}.")
 
 
-def _key_text(key) -> str:
+def key_text(key) -> str:
+    """One key of a key path as plain text: a dict key, an index or an attribute name."""
     if isinstance(key, DictKey):
         return str(key.key)
     if isinstance(key, SequenceKey):
@@ -115,7 +116,7 @@ def _key_text(key) -> str:
 
 def path_name(path) -> str:
     """A key path as a group name: its keys joined by "/" (``"encoder/layers/0/kernel"``)."""
-    return "/".join(_key_text(k) for k in path) or "<array>"
+    return "/".join(key_text(k) for k in path) or "<array>"
 
 
 def _group_of(spec, path) -> str | None:

@@ -7,10 +7,10 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.tree_util import DictKey, FlattenedIndexKey, GetAttrKey, SequenceKey
+from jax.tree_util import GetAttrKey
 
 from optclip._adaptive import AGCState, AutoClipState, ZClipState
-from optclip._groups import is_variable
+from optclip._groups import is_variable, key_text
 from optclip._transforms import ClippedState, GlobalClipState
 
 KINDS = {
@@ -38,18 +38,6 @@ def _find(tree, path=()) -> list:
             for field in ("clip_state", "inner_state"):
                 found += _find(getattr(node, field), path + sub + (GetAttrKey(field),))
     return found
-
-
-def _key_text(key) -> str:
-    if isinstance(key, SequenceKey):
-        return str(key.idx)
-    if isinstance(key, DictKey):
-        return str(key.key)
-    if isinstance(key, GetAttrKey):
-        return key.name
-    if isinstance(key, FlattenedIndexKey):
-        return str(key.key)
-    return str(key)
 
 
 def _unwrap(x):
@@ -143,7 +131,7 @@ def metrics(opt_state) -> dict:
     prefixes = []
     for path, state in found:
         kind = KINDS[type(state)]
-        where = ".".join(_key_text(k) for k in path)
+        where = ".".join(key_text(k) for k in path)
         prefixes.append(kind if counts[kind] == 1 else f"{kind}[{where}]")
     states = tuple(
         _plain(ClippedState(None, None, s.skip_count) if isinstance(s, ClippedState) else s)
