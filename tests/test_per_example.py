@@ -410,6 +410,13 @@ def test_errors(fn):
         fn(jnp.ones((2, 3)), jnp.ones(2))
     with pytest.raises(ValueError, match=r"`nonfinite` must be one of 'propagate', 'zero'"):
         fn(jnp.ones((2, 3)), 1.0, nonfinite="skip")
+    with pytest.raises(ValueError, match=r"`max_norm` must not be NaN"):
+        fn(jnp.ones((2, 3)), float("nan"))
+
+
+def test_uniform_must_be_a_bool():
+    with pytest.raises(TypeError, match=r"`uniform` must be a bool, got ArrayImpl"):
+        optclip.per_example_layer_clip(jnp.ones((2, 3)), 1.0, uniform=jnp.array(True))
 
 
 # Property: every example, clipped, is within the threshold and keeps its direction ----------

@@ -542,11 +542,7 @@ def zclip(
     if mode == "zscore":
         _checks.check_choice(clip_option, "clip_option", ("adaptive_scaling", "mean"))
     _check_number(clip_factor, "clip_factor", "a number > 0", lambda v: v > 0)
-    if not isinstance(skip_update_on_spike, (bool, np.bool_)):
-        raise TypeError(
-            f"`skip_update_on_spike` must be a bool, got {type(skip_update_on_spike).__name__}: "
-            f"{skip_update_on_spike!r}."
-        )
+    _checks.check_bool(skip_update_on_spike, "skip_update_on_spike")
     _check_number(eps, "eps", "a number > 0", lambda v: v > 0)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)

@@ -64,6 +64,14 @@ def check_scalar(value, name: str, *, allow_nan: bool = False):
     return value
 
 
+def check_bool(value, name: str) -> bool:
+    """A switch that decides the program (Python control flow): a Python or NumPy bool, never
+    an array that could be traced."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}: {value!r}.")
+    return bool(value)
+
+
 def check_not_nan(value, name: str, accepted: str) -> None:
     """A concrete threshold or bound must not be NaN (traced values are not looked at)."""
     known = concrete(value)

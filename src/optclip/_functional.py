@@ -241,15 +241,7 @@ def clip_by_average_norm(tree, clip_norm):
       [1.2 1.6]
     """
     _checks.check_scalar(clip_norm, "clip_norm")
-
-    def clip_leaf(path, x):
-        _checks.check_float_leaf(path, x, "clip_by_average_norm")
-        x = jnp.asarray(x)
-        norm = _norms.leaf_norm(x, 2.0)
-        average = norm / max(x.size, 1)
-        return apply_scale(x, clip_scale(average, threshold_as(clip_norm, average.dtype)))
-
-    return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+    return _clip_size_normalised(tree, clip_norm, lambda n: n, "clip_by_average_norm")
 
 
 def clip_by_block_rms(tree, threshold):
@@ -289,12 +281,18 @@ def clip_by_block_rms(tree, threshold):
       [1.2 1.6 0.  0. ] [ 0.5 -0.5]
     """
     _checks.check_scalar(threshold, "threshold")
+    return _clip_size_normalised(tree, threshold, math.sqrt, "clip_by_block_rms")
+
+
+def _clip_size_normalised(tree, threshold, divisor, what: str):
+    """Each leaf scaled down so that its 2-norm divided by ``divisor(size)`` (the size counted
+    as 1 for an empty leaf) is at most `threshold`: the average norm, or the RMS."""
 
     def clip_leaf(path, x):
-        _checks.check_float_leaf(path, x, "clip_by_block_rms")
+        _checks.check_float_leaf(path, x, what)
         x = jnp.asarray(x)
-        rms = _norms.leaf_norm(x, 2.0) / math.sqrt(max(x.size, 1))
-        return apply_scale(x, clip_scale(rms, threshold_as(threshold, rms.dtype)))
+        value = _norms.leaf_norm(x, 2.0) / divisor(max(x.size, 1))
+        return apply_scale(x, clip_scale(value, threshold_as(threshold, value.dtype)))
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 

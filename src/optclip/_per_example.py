@@ -50,6 +50,16 @@ def _batched_leaves(grads, what: str):
     return leaves, treedef
 
 
+def _prepare(grads, max_norm, nonfinite, what: str):
+    """The arguments both per-example clips share, checked: ``(leaves, treedef, accumulation
+    dtype, max_norm as a threshold of that dtype)``."""
+    _checks.check_scalar(max_norm, "max_norm")
+    _checks.check_choice(nonfinite, "nonfinite", NONFINITE)
+    leaves, treedef = _batched_leaves(grads, what)
+    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    return leaves, treedef, dtype, _functional.threshold_as(max_norm, dtype)
+
+
 def _work_dtype(dtype):
     """The dtype a leaf is contracted in: its own, or float32 for float16 and bfloat16 (as in
     `_functional.apply_scale`)."""
@@ -205,12 +215,7 @@ def per_example_clip(grads, max_norm, *, nonfinite="propagate"):
       Abadi et al., 2016, Deep Learning with Differential Privacy,
       https://arxiv.org/abs/1607.00133
     """
-    what = "per_example_clip"
-    _checks.check_scalar(max_norm, "max_norm")
-    _checks.check_choice(nonfinite, "nonfinite", NONFINITE)
-    leaves, treedef = _batched_leaves(grads, what)
-    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
-    threshold = _functional.threshold_as(max_norm, dtype)
+    leaves, treedef, dtype, threshold = _prepare(grads, max_norm, nonfinite, "per_example_clip")
     if not leaves:
         return grads, jnp.zeros((0,), dtype), jnp.zeros((), jnp.int32)
     norms = example_norms(leaves, per_leaf=False)
@@ -263,7 +268,8 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
     Raises:
       ValueError: a leaf has no batch axis (0-d) or a batch size other than the first leaf's,
         `max_norm` is not 0-d or is NaN, or `nonfinite` is unknown.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer or boolean leaf (the message names its path), or `uniform` is not a
+        bool (it decides the program: with ``jax.jit``, make it a static argument).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip
@@ -278,11 +284,9 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
       McMahan et al., 2017, Learning Differentially Private Recurrent Language Models,
       https://arxiv.org/abs/1710.06963
     """
+    uniform = _checks.check_bool(uniform, "uniform")
     what = "per_example_layer_clip"
-    _checks.check_scalar(max_norm, "max_norm")
-    _checks.check_choice(nonfinite, "nonfinite", NONFINITE)
-    leaves, treedef = _batched_leaves(grads, what)
-    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    leaves, treedef, dtype, threshold = _prepare(grads, max_norm, nonfinite, what)
     if not leaves:
         return grads, grads, grads
     count = len(leaves)
@@ -292,7 +296,6 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
         shares = [(1.0 / count) ** 0.5] * count
     else:
         shares = [(size / total) ** 0.5 if total else 1.0 for size in sizes]
-    threshold = _functional.threshold_as(max_norm, dtype)
     thresholds = threshold * jnp.asarray(shares, dtype)[:, None]  # (K, 1)
 
     norms = example_norms(leaves, per_leaf=True)  # (K, B)
