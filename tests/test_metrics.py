@@ -33,14 +33,14 @@ def test_metrics_of_a_chain(mode):
         "global_clip/scale": 0.5,
         "global_clip/clip_count": 1.0,
         "global_clip/nonfinite_count": 0.0,
-        "global_clip/count": 1.0,
+        "global_clip/step": 1.0,
         "global_clip/group_norm/b": 12.0,
         "global_clip/group_norm/w": 5.0,
     }
     _, state = step(jax.tree.map(lambda g: g / 13, GRADS), state, PARAMS)  # norm 1: not clipped
     got = as_floats(optclip.metrics(state))
     assert got["global_clip/clipped"] == 0.0 and got["global_clip/scale"] == 1.0
-    assert got["global_clip/clip_count"] == 1.0 and got["global_clip/count"] == 2.0
+    assert got["global_clip/clip_count"] == 1.0 and got["global_clip/step"] == 2.0
 
 
 def test_two_clips_of_one_kind_are_named_by_their_place():
@@ -68,7 +68,7 @@ def test_every_kind_of_clip_and_wrapper():
     assert got["clipped/skip_count"] == 1.0
     assert got["autoclip/global_norm"] == 13.0 and got["autoclip/threshold"] == 13.0
     assert got["zclip/mean"] == 13.0 and got["zclip/std"] == 0.0
-    assert got["zclip/count"] == 1.0 and got["zclip/spike_count"] == 0.0
+    assert got["zclip/finite_count"] == 1.0 and got["zclip/spike_count"] == 0.0
     assert set(got) >= {"agc/global_norm", "agc/threshold", "zclip/scale", "autoclip/clipped"}
     # (the skipped NaN step left the wrapped optimizer's state, clips included, as it was)
 

@@ -117,7 +117,7 @@ def test_global_clip_state_records_norm_and_counts():
     assert float(optax.tree.get(state, "global_norm")) == 10.0
     assert int(optax.tree.get(state, "clip_count")) == 2
     assert int(optax.tree.get(state, "nonfinite_count")) == 1
-    assert int(state[0].count) == 4
+    assert int(state[0].step) == 4
 
 
 def test_global_clip_propagates_nan_by_default_and_zero_policy():

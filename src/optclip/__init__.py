@@ -5,12 +5,12 @@ with exact float32 accumulation, the norm kept in the optimizer state, and multi
 reductions.
 """
 
-from optclip._adaptive import AGCState as AGCState
-from optclip._adaptive import AutoClipState as AutoClipState
-from optclip._adaptive import ZClipState as ZClipState
-from optclip._adaptive import agc as agc
-from optclip._adaptive import autoclip as autoclip
-from optclip._adaptive import zclip as zclip
+from optclip._agc import AGCState as AGCState
+from optclip._agc import agc as agc
+from optclip._autoclip import AutoClipState as AutoClipState
+from optclip._autoclip import autoclip as autoclip
+from optclip._clipped import ClippedState as ClippedState
+from optclip._clipped import clipped as clipped
 from optclip._functional import clip_by_average_norm as clip_by_average_norm
 from optclip._functional import clip_by_block_rms as clip_by_block_rms
 from optclip._functional import clip_by_global_norm as clip_by_global_norm
@@ -19,18 +19,18 @@ from optclip._functional import clip_by_value as clip_by_value
 from optclip._functional import global_norm as global_norm
 from optclip._groups import GroupNorms as GroupNorms
 from optclip._metrics import metrics as metrics
+from optclip._nonfinite import NonFiniteNormError as NonFiniteNormError
 from optclip._per_example import per_example_clip as per_example_clip
 from optclip._per_example import per_example_layer_clip as per_example_layer_clip
-from optclip._transforms import ClippedState as ClippedState
 from optclip._transforms import GlobalClipState as GlobalClipState
-from optclip._transforms import NonFiniteNormError as NonFiniteNormError
 from optclip._transforms import ScheduleState as ScheduleState
 from optclip._transforms import average_norm_clip as average_norm_clip
 from optclip._transforms import block_rms_clip as block_rms_clip
-from optclip._transforms import clipped as clipped
 from optclip._transforms import global_clip as global_clip
 from optclip._transforms import norm_clip as norm_clip
 from optclip._transforms import value_clip as value_clip
+from optclip._zclip import ZClipState as ZClipState
+from optclip._zclip import zclip as zclip
 
 __version__ = "0.1.0"
 

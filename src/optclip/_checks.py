@@ -200,3 +200,37 @@ def check_bounds(clip_value_min, clip_value_max) -> None:
             f"`clip_value_min` must be <= `clip_value_max`, got {clip_value_min!r} > "
             f"{clip_value_max!r}."
         )
+
+
+def check_number(value, name: str, accepted: str, ok) -> None:
+    """A 0-d real number; if concrete, `ok(float(value))` must hold (NaN fails it, with the
+    message saying what is accepted)."""
+    check_scalar(value, name, allow_nan=True)
+    known = concrete(value)
+    if known is not None and not ok(float(known)):
+        raise ValueError(f"`{name}` must be {accepted}, got {value!r}.")
+
+
+def check_count(value, name: str, static: bool) -> None:
+    """A whole number >= 1. `static` ones set a shape and must be known when the factory runs."""
+    if static and isinstance(value, jax.Array):
+        raise TypeError(
+            f"`{name}` sets the shape of the state and must be a Python int, got a JAX array "
+            f"(with `optax.inject_hyperparams`, pass `static_args=('{name}',)`)."
+        )
+    if is_traced(value):
+        if np.shape(value) != () or not jnp.issubdtype(value.dtype, jnp.integer):
+            raise ValueError(
+                f"`{name}` must be an int >= 1, got a traced {value.dtype} "
+                f"array of shape {np.shape(value)}."
+            )
+        return
+    known = concrete(value)
+    if (
+        isinstance(value, (bool, np.bool_))
+        or known is None
+        or known.shape != ()
+        or not np.issubdtype(known.dtype, np.integer)
+        or int(known) < 1
+    ):
+        raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _axes, _checks, _norms
+from optclip import _axes, _checks, _norm_rules, _norms
 
 
 def threshold_as(value, dtype):
@@ -336,7 +336,7 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
     """
     _checks.check_scalar(clip_norm, "clip_norm")
     leaves = _norms.float_leaves(tree, "clip_by_global_norm")
-    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
     if use_norm is None:
         axes = _axes.leaf_axes(tree, axis_name, "clip_by_global_norm")
         norm = _norms.tree_norm(leaves, axes, 2.0)

@@ -96,7 +96,7 @@ def check_spec(spec):
         )
     if spec is None or callable(spec) or (isinstance(spec, str) and spec == "leaf"):
         return spec
-    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool) and spec >= 1:
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool) and int(spec) >= 1:
         return int(spec)
     raise ValueError(f"{ACCEPTED}; got {spec!r}.")
 

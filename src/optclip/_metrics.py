@@ -9,9 +9,12 @@ import jax
 import jax.numpy as jnp
 from jax.tree_util import GetAttrKey
 
-from optclip._adaptive import AGCState, AutoClipState, ZClipState
+from optclip._agc import AGCState
+from optclip._autoclip import AutoClipState
+from optclip._clipped import ClippedState
 from optclip._groups import is_variable, key_text
-from optclip._transforms import ClippedState, GlobalClipState
+from optclip._transforms import GlobalClipState
+from optclip._zclip import ZClipState
 
 KINDS = {
     GlobalClipState: "global_clip",
@@ -62,7 +65,7 @@ def _fields(state) -> list:
         out.append(("scale", lambda: state.scale))
     if isinstance(state, ZClipState):
         out += [("mean", lambda: state.mean), ("std", lambda: jnp.sqrt(state.var))]
-    for name in ("clip_count", "spike_count", "nonfinite_count", "count"):
+    for name in ("clip_count", "spike_count", "nonfinite_count", "finite_count", "step"):
         if name in state._fields:  # (not `hasattr`: a NamedTuple has a `count` method)
             out.append((name, functools.partial(getattr, state, name)))
     if state.group_norms is not None:
@@ -93,7 +96,7 @@ def metrics(opt_state) -> dict:
     Keys are ``"<clip>/<field>"``: ``global_clip/global_norm`` (before clipping),
     ``global_clip/clipped`` (whether this step was scaled down), ``global_clip/scale`` (the factor
     applied), ``global_clip/threshold``, the counters (``clip_count``, ``nonfinite_count``,
-    ``count``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), and one
+    ``step``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), and one
     ``global_clip/group_norm/<group>`` per group with ``group_norms=``. When a chain holds two
     clips of one kind, each is named by where it sits: ``global_clip[0]/global_norm``,
     ``global_clip[1]/global_norm`` (unlike ``optax.tree.get``, which then raises).
@@ -122,7 +125,7 @@ def metrics(opt_state) -> dict:
       global_clip/scale 0.07692308
       global_clip/clip_count 1
       global_clip/nonfinite_count 0
-      global_clip/count 1
+      global_clip/step 1
       global_clip/group_norm/b 12.0
       global_clip/group_norm/w 5.0
     """

@@ -1,13 +1,8 @@
-"""The norm: one routine serves every clipping mode.
+"""The norm of leaves and trees: one routine serves every clipping mode.
 
-* Accumulation: float32 for float16, bfloat16, float32 and complex64 leaves; float64 for float64
-  and complex128 leaves; across leaves in the widest of these.
-* Overflow and underflow: the plain sum of ``|x|**p`` is computed first. Only when it overflows
-  (``inf``) or underflows (below the smallest normal number) is the norm computed again with every
-  value divided by the largest magnitude, under `lax.cond`, so the common path pays one scalar
-  comparison.
-* Gradients: square roots and fractional powers are guarded so that the gradient is finite
-  everywhere, zero input included.
+The elementwise terms, the overflow/underflow fallback and the batching and differentiation
+rules are `_norm_rules`'; this module decides what is reduced together:
+
 * Many leaves: small leaves of one shape, dtype and sharding are stacked and reduced together, so
   compile time does not grow with one kernel per leaf.
 * Groups: the partial sums of the leaves are collected into buckets (one per group of leaves,
@@ -21,7 +16,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -30,268 +25,13 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optclip import _axes, _checks
+from optclip import _axes, _checks, _norm_rules
+from optclip._norm_rules import accum_dtype, max_over, sum_over, widest_accum_dtype
 
 # Leaves with at most this many elements are stacked with others of their shape before reducing.
 STACK_MAX_SIZE = 1 << 14
 # At most this many leaves go into one stack (XLA compiles huge concatenations slowly).
 STACK_CHUNK = 128
-
-
-def accum_dtype(dtype) -> np.dtype:
-    """The real dtype a leaf's norm is accumulated in."""
-    dtype = jnp.dtype(dtype)
-    if dtype in (jnp.dtype(jnp.float64), jnp.dtype(jnp.complex128)):
-        return jnp.dtype(jnp.float64)
-    return jnp.dtype(jnp.float32)
-
-
-def widest_accum_dtype(dtypes: Sequence) -> np.dtype:
-    """The accumulation dtype for a set of leaves: float64 if any leaf needs it."""
-    accs = {accum_dtype(d) for d in dtypes}
-    return jnp.dtype(jnp.float64) if jnp.dtype(jnp.float64) in accs else jnp.dtype(jnp.float32)
-
-
-def _is_static(p) -> bool:
-    return isinstance(p, float)
-
-
-def _pow0(a, q):
-    """``a ** q`` for ``a >= 0`` with a finite gradient at ``a == 0`` (for ``q < 1`` too)."""
-    if _is_static(q) and q == 1.0:
-        return a
-    if _is_static(q) and q > 1.0:
-        return a**q
-    zero = a == 0  # (not `a > 0`, which would turn NaN into 0)
-    return jnp.where(zero, 0, jnp.where(zero, 1, a) ** q)
-
-
-def _root(total, p):
-    """``total ** (1 / p)`` with a finite gradient at zero."""
-    if _is_static(p) and p == 1.0:
-        return total
-    if _is_static(p) and p == 2.0:
-        zero = total == 0
-        return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, total)))
-    return _pow0(total, 1 / p)
-
-
-def _parts(x):
-    """The real components of `x` in its accumulation dtype: ``(x,)`` or ``(re, im)``."""
-    acc = accum_dtype(x.dtype)
-    if jnp.iscomplexobj(x):
-        return jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
-    return (x.astype(acc),)
-
-
-def power_of_two_scale(m):
-    """A power of two within a factor 2 of ``m > 0`` (1 for zero or non-finite ``m``), and its
-    reciprocal; both are normal numbers, so scaling by them is exact.
-
-    (Dividing by ``m`` itself is not safe: XLA may multiply by ``1 / m``, which for ``m > 2**126``
-    is subnormal and flushed to zero.)
-    """
-    info = jnp.finfo(m.dtype)
-    _, exponent = jnp.frexp(m)
-    exponent = jnp.clip(exponent, info.minexp, info.maxexp - 2)
-    exponent = jnp.where((m > 0) & (m < jnp.inf), exponent, 0)
-    one = jnp.ones_like(m)
-    return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
-
-
-def magnitude_power(x, p, inverse_scale=None):
-    """``|x * inverse_scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for
-    complex)."""
-    parts = _parts(x)
-    if inverse_scale is not None:
-        parts = tuple(c * inverse_scale.astype(c.dtype) for c in parts)
-    if len(parts) == 2:
-        square = parts[0] * parts[0] + parts[1] * parts[1]
-        if _is_static(p) and p == 2.0:
-            return square
-        return _pow0(square, p / 2)
-    (a,) = parts
-    if _is_static(p) and p == 2.0:
-        return a * a
-    return _pow0(jnp.abs(a), p)
-
-
-def _part_magnitude(x):
-    """``max(|re|, |im|)`` elementwise in `x`'s own dtype (``|x|`` for real `x`): within a factor
-    sqrt(2) of ``|x|``, which is all a scale needs, and its maximum is exact in the leaf's dtype
-    (so it is taken there and only the result is converted)."""
-    if jnp.iscomplexobj(x):
-        return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
-    return jnp.abs(x)
-
-
-def _magnitude(x):
-    """``|x|`` elementwise (exact for complex, with a finite gradient at zero)."""
-    if not jnp.iscomplexobj(x):
-        return jnp.abs(x)
-    z = x.astype(jnp.promote_types(x.dtype, jnp.complex64))
-    nonzero = z != 0
-    return jnp.where(nonzero, jnp.abs(jnp.where(nonzero, z, 1)), 0)
-
-
-def _sum(a, axis):
-    return jnp.sum(a, axis=axis)
-
-
-def _max(a, axis):
-    return jnp.max(a, axis=axis, initial=0)
-
-
-def _needs_rescale(total, p, zero_is_exact: bool):
-    """Where a plain sum of powers lost the norm: it overflowed or underflowed (elementwise).
-
-    A sum that is exactly zero comes from an all-zero input or from values whose powers all
-    flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
-    that zero slices, common in per-slice clipping, do not take the slow path; orders above 2
-    flush much sooner (``1e-5 ** 8``) and never trust it.
-    """
-    tiny = jnp.finfo(total.dtype).smallest_normal
-    if zero_is_exact and _is_static(p) and p <= 2.0:
-        low = (total > 0) & (total < tiny)
-    else:
-        low = total < tiny
-    return (total == jnp.inf) | low
-
-
-def _rescaled_norm(largest: Callable, rescaled_total: Callable, p):
-    """``m * (sum |x / m| ** p) ** (1/p)`` with ``m`` the largest magnitude (a power of two near
-    it, so the scaling is exact): the norm when the plain sum overflowed or underflowed."""
-    m = largest()
-    # The norm does not depend on the scale, so no gradient flows through it (its derivative
-    # would divide by scale**2, which overflows).
-    scale, inverse = lax.stop_gradient(power_of_two_scale(m))
-    norm = scale * _root(rescaled_total(inverse), p)
-    return jnp.where(m == jnp.inf, jnp.inf, norm)
-
-
-def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, needs):
-    """The norms from plain sums of powers `total`, or, where `needs` says a sum lost its norm,
-    from rescaled ones.
-
-    `largest()` gives the largest magnitudes and `rescaled_total(inverse_scale)` the sums of
-    ``|x * inverse_scale| ** p`` (both shaped like `total`); they are only evaluated when some
-    plain sum overflowed or underflowed.
-    """
-
-    def plain():
-        return _root(total, p)
-
-    def rescaled():
-        return _rescaled_norm(largest, rescaled_total, p).astype(total.dtype)
-
-    needs_rescale = jnp.any(needs)
-    if not isinstance(needs_rescale, jax.core.Tracer):
-        # Eager: decide in Python rather than trace and compile a `cond` on every call.
-        return rescaled() if bool(needs_rescale) else plain()
-    return lax.cond(needs_rescale, rescaled, plain)
-
-
-def _norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bool = True):
-    """The `p`-norms of `arrays` (a list), with a batching rule and a differentiation rule.
-
-    The norms may come in several "views" of the same arrays (per group of leaves, and of all of
-    them), each a reduction of the same elementwise terms:
-
-    * `reduce(terms)` reduces `terms[v][i]`, the elementwise terms of ``arrays[i]`` for view
-      `v`, into the norms' shape (over some axes of one leaf; per group of leaves and then all
-      of them);
-    * `largest(arrays)` is the largest magnitude, reduced the same way;
-    * `expand(values, i, array)` is, for each view, norm-shaped `values` broadcast against
-      ``arrays[i]`` (a list, one entry per view);
-    * `needs_rescale(total)` says, norm by norm, where a plain sum lost its norm.
-
-    The norms themselves are `_safe_norm`'s. Two custom rules (with `rules`, for a static order
-    and no collectives):
-
-    * `vmap` (per-example clipping): a `lax.cond` with a batched predicate would become a
-      `select` running both branches for every example; the rule keeps one `cond`, on whether
-      any example needs the fallback.
-    * differentiation: `d||x||_p = sum((|x|/n)**(p-2) * (x/n) * dx)`, with `x/n` computed with a
-      power-of-two scale (no overflow, no flush to zero); zero at `n == 0`. This is the exact
-      derivative of the norm, whichever branch computed it.
-    """
-
-    def totals(arrays, inverse_scale=None):
-        if inverse_scale is None:
-            plain = [magnitude_power(a, p) for a in arrays]  # shared by every view
-            return reduce([plain] * len(expand(None, None, None)))
-        per_array = [
-            [magnitude_power(a, p, s) for s in expand(inverse_scale, i, a)]
-            for i, a in enumerate(arrays)
-        ]
-        return reduce([list(view) for view in zip(*per_array)])
-
-    def compute(arrays):
-        total = totals(arrays)
-        return _safe_norm(
-            total,
-            p,
-            lambda: largest(arrays),
-            lambda inv: totals(arrays, inv),
-            needs_rescale(total),
-        )
-
-    if not rules or not any(isinstance(a, jax.core.Tracer) for a in arrays):
-        return compute(arrays)  # eager (no transformation to write rules for), or collectives
-
-    @jax.custom_batching.custom_vmap
-    def batched(arrays):
-        return compute(arrays)
-
-    @batched.def_vmap
-    def batched_rule(axis_size, in_batched, arrays):
-        del axis_size
-        flags = in_batched[0]
-        if not any(flags):
-            return compute(arrays), False
-        in_axes = ([0 if flag else None for flag in flags],)
-        total = jax.vmap(totals, in_axes=in_axes)(arrays)
-        plain = _root(total, p)
-        needs = jax.vmap(needs_rescale)(total)
-
-        def with_fallback():
-            rescaled = jax.vmap(
-                lambda a: _rescaled_norm(lambda: largest(a), lambda inv: totals(a, inv), p),
-                in_axes=in_axes,
-            )(arrays)
-            return jnp.where(needs, rescaled.astype(plain.dtype), plain)
-
-        return lax.cond(jnp.any(needs), with_fallback, lambda: plain), True
-
-    @jax.custom_jvp
-    def norm(arrays):
-        return batched(arrays)
-
-    @norm.defjvp
-    def norm_jvp(primals, tangents):
-        (arrays,), (darrays,) = primals, tangents
-        n = norm(arrays)
-        per_array = [
-            [_norm_tangent(a, da, n_view, p) for n_view in expand(n, i, a)]
-            for i, (a, da) in enumerate(zip(arrays, darrays))
-        ]
-        return n, reduce([list(view) for view in zip(*per_array)])
-
-    return norm(arrays)
-
-
-def _norm_tangent(x, dx, n, p: float):
-    """Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`
-    (`n` broadcasts against `x`)."""
-    n_safe = jnp.where((n == 0) | ~jnp.isfinite(n), 1, n)
-    _, inverse = power_of_two_scale(n_safe)
-    n_scaled = n_safe * inverse  # in [0.5, 1): dividing by it is safe
-    ratio = [c * inverse.astype(c.dtype) / n_scaled.astype(c.dtype) for c in _parts(x)]
-    directional = sum(r * d for r, d in zip(ratio, _parts(jnp.asarray(dx, x.dtype))))
-    if p != 2.0:
-        magnitude = jnp.abs(ratio[0]) if len(ratio) == 1 else jnp.hypot(*ratio)
-        directional = _pow0(magnitude, p - 2) * directional
-    return jnp.where(n == 0, 0, directional).astype(n.dtype)
 
 
 def leaf_norm(x, p: float = 2.0, axes=None):
@@ -301,20 +41,20 @@ def leaf_norm(x, p: float = 2.0, axes=None):
     """
     keepdims = axes is not None
     if p == math.inf:
-        magnitude = _magnitude(x)
+        magnitude = _norm_rules.magnitude(x)
         return jnp.max(magnitude, axis=axes, keepdims=keepdims, initial=0).astype(
             jnp.promote_types(magnitude.dtype, accum_dtype(x.dtype))
         )
     acc = accum_dtype(x.dtype)
-    return _norm_with_rules(
+    return _norm_rules.norm_with_rules(
         [x],
         p,
         reduce=lambda terms: jnp.sum(terms[0][0], axis=axes, keepdims=keepdims),
         largest=lambda arrays: jnp.max(
-            _part_magnitude(arrays[0]), axis=axes, keepdims=keepdims, initial=0
+            _norm_rules.part_magnitude(arrays[0]), axis=axes, keepdims=keepdims, initial=0
         ).astype(acc),
         expand=lambda values, i, array: [values],
-        needs_rescale=lambda total: _needs_rescale(total, p, zero_is_exact=True),
+        needs_rescale=lambda total: _norm_rules.needs_rescale(total, p, zero_is_exact=True),
     )
 
 
@@ -345,6 +85,7 @@ def on_devices_of(value, x):
     if where is None or here is None or where == here:
         return value
     sharding = x.sharding
+    target: jax.sharding.Sharding
     if len(where) == 1:
         target = jax.sharding.SingleDeviceSharding(next(iter(where)))
     elif isinstance(sharding, NamedSharding):
@@ -364,11 +105,11 @@ class _Piece(NamedTuple):
 
 
 class _View(NamedTuple):
-    """One way of collecting the leaves' partial sums: into `count` buckets, leaf i into
+    """One way of collecting the leaves' partial sums: into `size` buckets, leaf i into
     ``buckets[i]`` (the groups of `group_norms`, or one bucket for the global norm)."""
 
     buckets: tuple
-    count: int
+    size: int
     offset: int  # where this view's norms start in the vector of every view's norms
 
     def ids(self, piece) -> tuple:
@@ -377,7 +118,7 @@ class _View(NamedTuple):
     def expand(self, values, piece, a):
         """This view's part of `values` (every view's norms) broadcast against `a`, the piece's
         array: one value for the piece, or one per leaf of a stack over several buckets."""
-        values = values[self.offset : self.offset + self.count]
+        values = values[self.offset : self.offset + self.size]
         ids = self.ids(piece)
         if len(set(ids)) == 1:
             return on_devices_of(values[ids[0]], a)
@@ -405,7 +146,8 @@ def _stack_leaves(leaves, leaf_axes) -> list[_Piece]:
     compilation on CPU). Leaves of different groups share stacks: a stack is then reduced leaf
     by leaf, still in one operation.
     """
-    pieces, groups = [], {}
+    pieces: list[_Piece] = []
+    groups: dict[tuple, list[int]] = {}
     for index, (x, axes) in enumerate(zip(leaves, leaf_axes)):
         place = placement(x)
         if x.size > STACK_MAX_SIZE:
@@ -442,8 +184,8 @@ def _per_leaf(piece, a, reducer):
 
 def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
     """Every view's buckets: `terms[v][i]` (piece i's array after elementwise work for view `v`)
-    reduced leaf by leaf with `reducer` (`_sum` or `_max`), and these partials collected into
-    view `v`'s buckets; the views' vectors concatenated. Views given the same terms (the plain
+    reduced leaf by leaf with `reducer` (`sum_over` or `max_over`), and these partials collected
+    into view `v`'s buckets; the views' vectors concatenated. Views given the same terms (the plain
     sums) share one reduction: the group norms and the global norm come from the same partials,
     with no second pass over the leaves, and the global norm is the same with or without groups.
 
@@ -467,7 +209,7 @@ def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
                 # groups; with it, every view sums the same partials, computed once.
                 partials[id(view_terms)] = lax.optimization_barrier(vector)
             ids = np.concatenate([np.asarray(view.ids(pieces[i]), np.int32) for i in members])
-            vectors.append(_segment(partials[id(view_terms)], ids, view.count, how))
+            vectors.append(_segment(partials[id(view_terms)], ids, view.size, how))
         vector = vectors[0] if len(vectors) == 1 else jnp.concatenate(vectors)
         if axes:
             vector = lax.psum(vector, axes) if how == "sum" else lax.pmax(vector, axes)
@@ -482,19 +224,19 @@ def _needs_rescale_views(total, p, views):
     """Buckets whose plain sum lost the norm; every bucket if the global sum did. An exactly
     zero group is trusted (a frozen layer must not send every step down the slow path); an
     exactly zero sum of everything is not."""
-    overall = _needs_rescale(total[-1], p, zero_is_exact=False)
+    overall = _norm_rules.needs_rescale(total[-1], p, zero_is_exact=False)
     if len(views) == 1:
         return overall[None] if overall.ndim == 0 else overall
-    return _needs_rescale(total, p, zero_is_exact=True) | overall
+    return _norm_rules.needs_rescale(total, p, zero_is_exact=True) | overall
 
 
 def _norms_for_order(pieces, views, p, dtype):
     """Every view's norms, one vector (the global norm last), for an order `p` (static, or
     traced in one branch of `_norms_traced_order`)."""
     arrays = [piece.array for piece in pieces]
-    if _is_static(p) and p == math.inf:
-        magnitudes = [_magnitude(a) for a in arrays]
-        return _reduce_buckets(pieces, views, [magnitudes] * len(views), _max, "max", dtype)
+    if _norm_rules.is_static(p) and p == math.inf:
+        magnitudes = [_norm_rules.magnitude(a) for a in arrays]
+        return _reduce_buckets(pieces, views, [magnitudes] * len(views), max_over, "max", dtype)
 
     def expand(values, i, a):
         if values is None:
@@ -502,19 +244,19 @@ def _norms_for_order(pieces, views, p, dtype):
         return [view.expand(values, pieces[i], a) for view in views]
 
     def largest(arrays):
-        magnitudes = [_part_magnitude(a) for a in arrays]
-        return _reduce_buckets(pieces, views, [magnitudes] * len(views), _max, "max", dtype)
+        magnitudes = [_norm_rules.part_magnitude(a) for a in arrays]
+        return _reduce_buckets(pieces, views, [magnitudes] * len(views), max_over, "max", dtype)
 
-    return _norm_with_rules(
+    return _norm_rules.norm_with_rules(
         arrays,
         p,
-        reduce=lambda terms: _reduce_buckets(pieces, views, terms, _sum, "sum", dtype),
+        reduce=lambda terms: _reduce_buckets(pieces, views, terms, sum_over, "sum", dtype),
         largest=largest,
         expand=expand,
         needs_rescale=lambda total: _needs_rescale_views(total, p, views),
         # Inside shard_map/pmap (collectives) or for a traced order: JAX's own autodiff and
         # batching of the `cond` (correct; the fallback's scale carries no gradient).
-        rules=_is_static(p) and not any(piece.axes for piece in pieces),
+        rules=_norm_rules.is_static(p) and not any(piece.axes for piece in pieces),
     )
 
 
@@ -524,7 +266,7 @@ def _norms_traced_order(pieces, views, p, dtype):
     index = jnp.where(
         p == 2, 0, jnp.where(p == 1, 1, jnp.where(p == jnp.inf, 2, jnp.where(p > 0, 3, 4)))
     )
-    size = sum(view.count for view in views)
+    size = sum(view.size for view in views)
     branches = [
         lambda: _norms_for_order(pieces, views, 2.0, dtype),
         lambda: _norms_for_order(pieces, views, 1.0, dtype),
@@ -549,13 +291,13 @@ def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets: Sequenc
     views = _views(buckets, len(leaves))
     dtype = widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
-        return jnp.zeros((), dtype), jnp.zeros((views[0].count,), dtype)
+        return jnp.zeros((), dtype), jnp.zeros((views[0].size,), dtype)
     pieces = _stack_leaves(leaves, leaf_axes)
-    if _is_static(p):
+    if _norm_rules.is_static(p):
         norms = _norms_for_order(pieces, views, p, dtype)
     else:
         norms = _norms_traced_order(pieces, views, p, dtype)
-    return norms[-1], norms[: views[0].count]
+    return norms[-1], norms[: views[0].size]
 
 
 def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
@@ -576,9 +318,9 @@ def all_reduce_norm(norm, mesh_axes: tuple):
     if not mesh_axes:
         return norm
     largest = lax.pmax(lax.stop_gradient(norm), mesh_axes)
-    scale, inverse = power_of_two_scale(largest)
+    scale, inverse = _norm_rules.power_of_two_scale(largest)
     total = lax.psum(jnp.square(norm * inverse), mesh_axes)
-    return jnp.where(largest == jnp.inf, jnp.inf, scale * _root(total, 2.0))
+    return jnp.where(largest == jnp.inf, jnp.inf, scale * _norm_rules.root(total, 2.0))
 
 
 def float_leaves(tree, what: str):

@@ -4,7 +4,7 @@ Computed as per-example norms, one scale per example (`_functional.clip_scale`),
 contraction per leaf over the batch axis with the scales. No clipped copy of the per-example
 gradients is ever made.
 
-The per-example norms are the library's norm (`_norms._norm_with_rules`: the plain sums of
+The per-example norms are the library's norm (`_norm_rules.norm_with_rules`: the plain sums of
 squares, one `lax.cond` for the overflow/underflow fallback, the exact derivative) with the batch
 axis kept: one fused sum of squares per leaf, as in optax. (`jax.vmap` of `_norms.tree_norm`
 gives the same numbers, but under `vmap` its stacking of small leaves of one shape copies every
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _functional, _norms
+from optclip import _checks, _functional, _norm_rules
 
 NONFINITE = ("propagate", "zero")
 
@@ -56,7 +56,7 @@ def _prepare(grads, max_norm, nonfinite, what: str):
     _checks.check_scalar(max_norm, "max_norm")
     _checks.check_choice(nonfinite, "nonfinite", NONFINITE)
     leaves, treedef = _batched_leaves(grads, what)
-    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
     return leaves, treedef, dtype, _functional.threshold_as(max_norm, dtype)
 
 
@@ -90,7 +90,7 @@ def example_norms(leaves, *, per_leaf: bool):
     when some example needs it). An example (or leaf of it) that is exactly zero is trusted, as
     in per-slice norms: padding examples do not send every step down the slow path.
     """
-    dtype = _norms.widest_accum_dtype([x.dtype for x in leaves])
+    dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
 
     def per_example(arrays, reducer, combine):
         parts = [reducer(a, axis=tuple(range(1, a.ndim))).astype(dtype) for a in arrays]
@@ -100,7 +100,7 @@ def example_norms(leaves, *, per_leaf: bool):
         return per_example(terms[0], jnp.sum, jnp.add)
 
     def largest(arrays):
-        magnitudes = [_norms._part_magnitude(a) for a in arrays]
+        magnitudes = [_norm_rules.part_magnitude(a) for a in arrays]
         return per_example(magnitudes, functools.partial(jnp.max, initial=0), jnp.maximum)
 
     def expand(values, i, a):
@@ -109,13 +109,13 @@ def example_norms(leaves, *, per_leaf: bool):
         v = values[i] if per_leaf else values
         return [v.reshape(v.shape + (1,) * (a.ndim - 1))]
 
-    return _norms._norm_with_rules(
+    return _norm_rules.norm_with_rules(
         list(leaves),
         2.0,
         reduce=reduce,
         largest=largest,
         expand=expand,
-        needs_rescale=lambda total: _norms._needs_rescale(total, 2.0, zero_is_exact=True),
+        needs_rescale=lambda total: _norm_rules.needs_rescale(total, 2.0, zero_is_exact=True),
     )
 
 

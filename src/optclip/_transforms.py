@@ -1,4 +1,4 @@
-"""The clipping functions as `optax.GradientTransformation`s, and Keras' optimizer arguments."""
+"""The clipping functions as `optax.GradientTransformation`s."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip import _checks, _functional, _groups, _norms
+from optclip import _checks, _functional, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
 
 
 class ScheduleState(NamedTuple):
     """State of a per-leaf norm clip whose threshold is an Optax schedule."""
 
-    count: jax.Array  # updates so far: the schedule's step
+    step: jax.Array  # updates so far: the schedule's step
 
 
 class GlobalClipState(NamedTuple):
@@ -27,82 +27,10 @@ class GlobalClipState(NamedTuple):
     global_norm: jax.Array  # pre-clip global norm of the last update
     clip_count: jax.Array  # updates so far that were scaled down
     nonfinite_count: jax.Array  # updates so far whose norm was not finite
-    count: jax.Array  # updates so far (the step of a `max_norm` schedule)
+    step: jax.Array  # updates so far (the step of a `max_norm` schedule)
     scale: jax.Array  # factor the last update was multiplied by (1 if not clipped; see `nonfinite`)
     threshold: jax.Array  # the last update's threshold, ``max(max_norm, 0)``
     group_norms: GroupNorms | None  # pre-clip norm of each group (`group_norms=`), else None
-
-
-class NonFiniteNormError(FloatingPointError):
-    """The norm of the updates is NaN or inf, and the clip was asked to raise
-    (``nonfinite="raise"``, PyTorch's ``error_if_nonfinite=True``)."""
-
-
-class ClippedState(NamedTuple):
-    """State of :func:`clipped`: the clip's, the wrapped optimizer's, and the skipped steps."""
-
-    clip_state: optax.OptState
-    inner_state: optax.OptState
-    skip_count: jax.Array  # steps dropped because the gradient's norm was not finite
-
-
-def counter():
-    """A fresh int32 step or event counter."""
-    return jnp.zeros((), jnp.int32)
-
-
-def state_dtype(params):
-    """The dtype of norms kept in a state: the accumulation dtype of the float leaves of
-    `params` (float32, or float64 if any leaf is float64/complex128)."""
-    leaves = [x for x in jax.tree.leaves(params) if _is_inexact(x)]
-    return _norms.widest_accum_dtype([jnp.result_type(x) for x in leaves])
-
-
-def raise_if_nonfinite(norm, tree, what: str) -> None:
-    """Raises `NonFiniteNormError` naming the leaves with NaN or inf if `norm` is not finite.
-
-    Eager: at once, before anything is updated. Under `jit`: from a host callback that only runs
-    on a non-finite step (a `lax.cond` on the norm), so the step's results are never delivered;
-    JAX re-raises it as its runtime error, with this message.
-    """
-    paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    names = [_checks.leaf_name(path) for path, _ in paths_and_leaves]
-
-    def report(norm_value, finite_leaves):
-        norm_value = np.asarray(norm_value)
-        if np.all(np.isfinite(norm_value)):
-            return  # (a batched `cond` runs this branch for every example)
-        bad = [name for name, ok in zip(names, finite_leaves) if not np.all(ok)]
-        raise NonFiniteNormError(
-            f"`{what}`: the norm of the updates is {norm_value}, not finite; leaves with NaN or "
-            f"inf: {', '.join(f'`{b}`' for b in bad) or 'none (the norm itself overflowed)'}. "
-            "(`nonfinite='raise'`; 'propagate' makes the update NaN, 'zero' drops it.)"
-        )
-
-    def finite_leaves():
-        return [jnp.all(jnp.isfinite(leaf)) for _, leaf in paths_and_leaves]
-
-    finite = jnp.all(jnp.isfinite(norm))
-    if not _checks.is_traced(finite):
-        if not bool(finite):
-            report(norm, [bool(ok) for ok in finite_leaves()])
-        return
-    jax.lax.cond(finite, lambda: None, lambda: jax.debug.callback(report, norm, finite_leaves()))
-
-
-def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str):
-    """``(updates scaled down to `threshold`, the scale applied)`` for `updates` of global norm
-    `norm`, with the non-finite policy: "propagate" (NaN everywhere), "zero" (zeros, scale 0) or
-    "raise" (`raise_if_nonfinite`)."""
-    if nonfinite == "raise":
-        raise_if_nonfinite(norm, updates, what)
-    scale = _functional.clip_scale(norm, _functional.threshold_as(threshold, norm.dtype))
-    updates = _functional.scale_tree(updates, scale)
-    if nonfinite == "zero":
-        finite = jnp.isfinite(norm)
-        updates = zero_unless(finite, updates)
-        scale = jnp.where(finite, scale, 0)
-    return updates, scale
 
 
 def _check_axes_static(axes) -> None:
@@ -122,14 +50,6 @@ def _check_axes_static(axes) -> None:
         raise TypeError(f"`axes` must be None, an int or a sequence of ints, got {axes!r}.")
 
 
-def threshold_at(max_norm, count, name: str = "max_norm"):
-    """The threshold for this step: `max_norm` itself or the schedule's value at `count` (`name`
-    is the factory's argument, for the error on a bad schedule value)."""
-    if _checks.is_schedule(max_norm):
-        return _checks.check_scalar(max_norm(count), f"{name}(count)")
-    return max_norm
-
-
 def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
     """A transform applying ``clip_fn(updates, threshold)``; state only for a schedule.
 
@@ -139,14 +59,14 @@ def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
 
     def init_fn(params):
         del params
-        return ScheduleState(counter()) if scheduled else optax.EmptyState()
+        return ScheduleState(_steps.counter()) if scheduled else optax.EmptyState()
 
     def update_fn(updates, state, params=None):
         del params
         if not scheduled:
             return clip_fn(updates, max_norm), state
-        threshold = threshold_at(max_norm, state.count, name)
-        return clip_fn(updates, threshold), ScheduleState(optax.safe_increment(state.count))
+        threshold = _steps.threshold_at(max_norm, state.step, name)
+        return clip_fn(updates, threshold), ScheduleState(optax.safe_increment(state.step))
 
     return optax.GradientTransformation(init_fn, update_fn)
 
@@ -344,7 +264,7 @@ def global_clip(
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`GlobalClipState` with
       ``global_norm`` (pre-clip norm of the last update), ``clip_count``, ``nonfinite_count``,
-      ``count``, ``scale`` (the factor the last update was multiplied by: 1 if not clipped, NaN
+      ``step``, ``scale`` (the factor the last update was multiplied by: 1 if not clipped, NaN
       or 0 for a non-finite norm under ``"propagate"`` or ``"zero"``), ``threshold`` and
       ``group_norms`` (a :class:`GroupNorms`, or None).
 
@@ -378,23 +298,27 @@ def global_clip(
     # An `axis_name` that is neither a name nor a tree is caught at the first update.
 
     def init_fn(params):
-        dtype = state_dtype(params)
+        dtype = _steps.state_dtype(params)
         return GlobalClipState(
             global_norm=jnp.zeros((), dtype),
-            clip_count=counter(),
-            nonfinite_count=counter(),
-            count=counter(),
+            clip_count=_steps.counter(),
+            nonfinite_count=_steps.counter(),
+            step=_steps.counter(),
             scale=jnp.ones((), dtype),
-            threshold=_functional.threshold_as(threshold_at(max_norm, counter()), dtype),
+            threshold=_functional.threshold_as(
+                _steps.threshold_at(max_norm, _steps.counter()), dtype
+            ),
             group_norms=_groups.init(group_norms, params, dtype),
         )
 
     def update_fn(updates, state, params=None):
         del params
-        threshold = threshold_at(max_norm, state.count)
+        threshold = _steps.threshold_at(max_norm, state.step)
         buckets = _groups.buckets(group_norms, updates, state.group_norms, "global_clip")
         norm, bucket_norms = _norms.norms_of(updates, p, axis_name, "global_clip", buckets)
-        updates, scale = clip_to_threshold(updates, norm, threshold, nonfinite, "global_clip")
+        updates, scale = _nonfinite.clip_to_threshold(
+            updates, norm, threshold, nonfinite, "global_clip"
+        )
         threshold = _functional.threshold_as(threshold, norm.dtype)
         finite = jnp.isfinite(norm)
         dtype = state.global_norm.dtype
@@ -402,7 +326,7 @@ def global_clip(
             global_norm=norm.astype(dtype),
             clip_count=state.clip_count + (finite & (norm > threshold)).astype(jnp.int32),
             nonfinite_count=state.nonfinite_count + (~finite).astype(jnp.int32),
-            count=optax.safe_increment(state.count),
+            step=optax.safe_increment(state.step),
             scale=scale.astype(dtype),
             threshold=threshold.astype(dtype),
             group_norms=_groups.update(state.group_norms, bucket_norms),
@@ -410,156 +334,3 @@ def global_clip(
         return updates, state
 
     return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _is_inexact(x) -> bool:
-    return jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-
-
-def zero_unless(ok, tree):
-    """`tree` where `ok`, zeros of the same dtypes elsewhere."""
-    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), tree)
-
-
-def _check_optimizer(optimizer) -> None:
-    """`clipped` wraps a transformation: not an optimizer's factory, nor anything else."""
-    if (
-        not isinstance(optimizer, type)
-        and callable(getattr(optimizer, "init", None))
-        and callable(getattr(optimizer, "update", None))
-    ):
-        return
-    accepted = "an optax.GradientTransformation such as `optax.adam(1e-3)`"
-    if callable(optimizer):
-        kind = "class" if isinstance(optimizer, type) else "function"
-        name = getattr(optimizer, "__name__", None) or repr(optimizer)
-        raise TypeError(f"`optimizer` must be {accepted}; got the {kind} `{name}` (call it first).")
-    raise TypeError(
-        f"`optimizer` must be {accepted}; got {type(optimizer).__name__}: {optimizer!r}."
-    )
-
-
-def _keras_threshold(value):
-    """Keras' rule for `clipped`: a threshold <= 0 turns the clip off (inf), concrete or traced,
-    or a schedule's value; NaN stays NaN (so a traced NaN is never a silent "no clip")."""
-    if _checks.is_schedule(value):
-        return lambda count: _keras_threshold(value(count))
-    known = _checks.concrete(value)
-    if known is not None:
-        return np.inf if known.shape == () and known <= 0 else value
-    value = jnp.asarray(value)
-    if not jnp.issubdtype(value.dtype, jnp.floating):
-        value = value.astype(jnp.float32)
-    return jnp.where(value <= 0, jnp.array(jnp.inf, value.dtype), value)
-
-
-def clipped(
-    optimizer,
-    *,
-    clipnorm=None,
-    clipvalue=None,
-    global_clipnorm=None,
-    nonfinite="propagate",
-) -> optax.GradientTransformationExtraArgs:
-    r"""Keras-style clipping arguments for any Optax optimizer: clip, then `optimizer`.
-
-    ``keras.optimizers.Adam(1e-3, clipnorm=1.0)`` is ``clipped(optax.adam(1e-3), clipnorm=1.0)``:
-
-    * ``clipnorm=c``: each gradient leaf clipped to norm ``c`` (:func:`norm_clip`);
-    * ``clipvalue=v``: each element clipped into ``[-v, v]`` (:func:`value_clip`);
-    * ``global_clipnorm=c``: all gradients scaled by one factor to global norm ``c``
-      (:func:`global_clip`).
-
-    As in Keras, a value ``<= 0`` turns the clip off (the gradient reaches `optimizer`
-    unchanged), also when it is traced (``optax.inject_hyperparams``) or a schedule's value; the
-    transformations themselves follow TensorFlow instead (a negative threshold is zero).
-
-    Args:
-      optimizer: the ``optax.GradientTransformation`` to wrap (``optax.adam(1e-3)``, not
-        ``optax.adam``).
-      clipnorm: see above; a 0-d number, traced value or schedule. At most one of the three may
-        be given.
-      clipvalue: see above; a 0-d number or traced value.
-      global_clipnorm: see above; a 0-d number, traced value or schedule.
-      nonfinite: what to do when the gradient's global norm is not finite: ``"propagate"``
-        (default; NaN reaches the update), ``"zero"`` (the clipped gradient becomes zeros before
-        the optimizer sees it), ``"skip"`` (the update is zeros and the optimizer's state is
-        left exactly as it was: a skipped step) or ``"raise"`` (:class:`NonFiniteNormError`,
-        as PyTorch's ``error_if_nonfinite=True``; see :func:`global_clip`). ``"zero"`` and
-        ``"skip"`` count the step in ``skip_count``.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`ClippedState`
-      (``clip_state``, ``inner_state``, ``skip_count``).
-
-    Raises:
-      ValueError: more than one of `clipnorm`, `clipvalue`, `global_clipnorm`; an unknown
-        `nonfinite`; a threshold that is not 0-d or is NaN (a traced NaN makes the update NaN).
-      TypeError: `optimizer` is not a transformation (say, the factory ``optax.adam`` itself).
-      NonFiniteNormError: with ``nonfinite="raise"``, a gradient whose norm is not finite.
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optclip
-      >>> opt = optclip.clipped(optax.sgd(1.0), global_clipnorm=1.0)
-      >>> params = jnp.zeros(2)
-      >>> updates, state = opt.update(jnp.array([3., 4.]), opt.init(params), params)
-      >>> print(updates, optax.tree.get(state, "global_norm"))
-      [-0.6 -0.8] 5.0
-    """
-    _check_optimizer(optimizer)
-    given = [
-        name
-        for name, value in (
-            ("clipnorm", clipnorm),
-            ("clipvalue", clipvalue),
-            ("global_clipnorm", global_clipnorm),
-        )
-        if value is not None
-    ]
-    if len(given) > 1:
-        raise ValueError(
-            "`clipped` takes at most one of `clipnorm`, `clipvalue` and `global_clipnorm`, "
-            f"got {', '.join(f'`{g}`' for g in given)}."
-        )
-    _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "skip", "raise"))
-    if clipnorm is not None:
-        clip = norm_clip(_keras_threshold(_checks.check_threshold(clipnorm, "clipnorm")))
-    elif clipvalue is not None:
-        clip = value_clip(_keras_threshold(_checks.check_scalar(clipvalue, "clipvalue")))
-    elif global_clipnorm is not None:
-        threshold = _checks.check_threshold(global_clipnorm, "global_clipnorm")
-        clip = global_clip(
-            _keras_threshold(threshold), nonfinite="raise" if nonfinite == "raise" else "propagate"
-        )
-    else:
-        clip = optax.identity()
-    inner = optax.with_extra_args_support(optimizer)
-
-    def init_fn(params):
-        return ClippedState(clip.init(params), inner.init(params), counter())
-
-    def update_fn(updates, state, params=None, **extra_args):
-        if nonfinite != "propagate" and global_clipnorm is None:
-            norm = _norms.global_norm_of(updates, 2.0, None, "clipped")
-            if nonfinite == "raise":
-                raise_if_nonfinite(norm, updates, "clipped")
-            finite = jnp.isfinite(norm)
-        clip_updates, clip_state = clip.update(updates, state.clip_state, params)
-        if nonfinite != "propagate" and global_clipnorm is not None:
-            finite = jnp.isfinite(clip_state.global_norm)
-        if nonfinite == "zero":
-            clip_updates = zero_unless(finite, clip_updates)
-        new_updates, inner_state = inner.update(
-            clip_updates, state.inner_state, params, **extra_args
-        )
-        skip_count = state.skip_count
-        if nonfinite == "skip":
-            new_updates = zero_unless(finite, new_updates)
-            inner_state = jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state
-            )
-        if nonfinite in ("zero", "skip"):
-            skip_count = skip_count + (~finite).astype(jnp.int32)
-        return new_updates, ClippedState(clip_state, inner_state, skip_count)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -1,0 +1,67 @@
+"""Non-finite norms: the policies every global clip shares ("propagate", "zero", "raise"), and
+the error they raise."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from optclip import _checks, _functional
+
+
+class NonFiniteNormError(FloatingPointError):
+    """The norm of the updates is NaN or inf, and the clip was asked to raise
+    (``nonfinite="raise"``, PyTorch's ``error_if_nonfinite=True``)."""
+
+
+def raise_if_nonfinite(norm, tree, what: str) -> None:
+    """Raises `NonFiniteNormError` naming the leaves with NaN or inf if `norm` is not finite.
+
+    Eager: at once, before anything is updated. Under `jit`: from a host callback that only runs
+    on a non-finite step (a `lax.cond` on the norm), so the step's results are never delivered;
+    JAX re-raises it as its runtime error, with this message.
+    """
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    names = [_checks.leaf_name(path) for path, _ in paths_and_leaves]
+
+    def report(norm_value, finite_leaves):
+        norm_value = np.asarray(norm_value)
+        if np.all(np.isfinite(norm_value)):
+            return  # (a batched `cond` runs this branch for every example)
+        bad = [name for name, ok in zip(names, finite_leaves) if not np.all(ok)]
+        raise NonFiniteNormError(
+            f"`{what}`: the norm of the updates is {norm_value}, not finite; leaves with NaN or "
+            f"inf: {', '.join(f'`{b}`' for b in bad) or 'none (the norm itself overflowed)'}. "
+            "(`nonfinite='raise'`; 'propagate' makes the update NaN, 'zero' drops it.)"
+        )
+
+    def finite_leaves():
+        return [jnp.all(jnp.isfinite(leaf)) for _, leaf in paths_and_leaves]
+
+    finite = jnp.all(jnp.isfinite(norm))
+    if not _checks.is_traced(finite):
+        if not bool(finite):
+            report(norm, [bool(ok) for ok in finite_leaves()])
+        return
+    jax.lax.cond(finite, lambda: None, lambda: jax.debug.callback(report, norm, finite_leaves()))
+
+
+def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str):
+    """``(updates scaled down to `threshold`, the scale applied)`` for `updates` of global norm
+    `norm`, with the non-finite policy: "propagate" (NaN everywhere), "zero" (zeros, scale 0) or
+    "raise" (`raise_if_nonfinite`)."""
+    if nonfinite == "raise":
+        raise_if_nonfinite(norm, updates, what)
+    scale = _functional.clip_scale(norm, _functional.threshold_as(threshold, norm.dtype))
+    updates = _functional.scale_tree(updates, scale)
+    if nonfinite == "zero":
+        finite = jnp.isfinite(norm)
+        updates = zero_unless(finite, updates)
+        scale = jnp.where(finite, scale, 0)
+    return updates, scale
+
+
+def zero_unless(ok, tree):
+    """`tree` where `ok`, zeros of the same dtypes elsewhere."""
+    return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), tree)

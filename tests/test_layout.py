@@ -1,0 +1,90 @@
+"""The package's shape: small modules, short functions, imports in one direction only.
+
+A reader should be able to hold a module in their head and find each behaviour in one place.
+The layers below are the order a module may import in: each module imports only modules of
+earlier layers. A new module must be placed in a layer here (the test names it otherwise).
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "src" / "optclip"
+
+LAYERS = [
+    ["_checks"],  # argument validation and its messages
+    ["_norm_rules"],  # norms from elementwise terms: fallback, batching and derivative rules
+    ["_axes", "_groups"],  # which mesh axes split each leaf; which group each leaf is in
+    ["_norms"],  # the norm of leaves and trees (stacking, buckets, devices)
+    ["_functional"],  # TensorFlow's clipping functions
+    ["_per_example"],  # per-example (DP-SGD) clipping
+    ["_steps", "_nonfinite"],  # state helpers; the non-finite policies
+    ["_transforms"],  # the functions as Optax transformations
+    ["_clipped"],  # Keras' optimizer arguments
+    ["_agc", "_autoclip", "_zclip"],  # adaptive thresholds
+    ["_metrics"],  # every clip's state as one flat dict
+    ["__init__"],  # the public names
+]
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80  # code lines of a function body, its docstring left out
+
+
+def modules():
+    return sorted(path.stem for path in PACKAGE.glob("*.py"))
+
+
+def layer_of(name: str) -> int:
+    for index, layer in enumerate(LAYERS):
+        if name in layer:
+            return index
+    raise AssertionError(f"module `{name}` is in no layer of tests/test_layout.py: place it")
+
+
+def imported(path: pathlib.Path) -> set:
+    """The optclip modules `path` imports (``from optclip import _x``, ``from optclip._x``)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == "optclip":
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("optclip."):
+            out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out |= {a.name.split(".")[1] for a in node.names if a.name.startswith("optclip.")}
+    return out
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", modules())
+def test_module_is_small_and_imports_only_earlier_layers(name):
+    path = PACKAGE / f"{name}.py"
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_MODULE_LINES, f"{name}.py has {lines} lines: split it by idea"
+    here = layer_of(name)
+    for other in imported(path):
+        assert layer_of(other) < here, f"{name} imports {other}, which is not below it"
+
+
+def body_lines(node) -> int:
+    body = node.body
+    if (
+        len(body) > 1
+        and isinstance(body[0], ast.Expr)
+        and isinstance(body[0].value, ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
+        body = body[1:]
+    return node.end_lineno - body[0].lineno + 1
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", modules())
+def test_functions_are_short(name):
+    tree = ast.parse((PACKAGE / f"{name}.py").read_text())
+    long = [
+        f"{node.name} ({body_lines(node)} lines)"
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and body_lines(node) > MAX_FUNCTION_LINES
+    ]
+    assert not long, f"{name}.py: functions over {MAX_FUNCTION_LINES} lines: {long}"
