@@ -10,7 +10,11 @@ import pathlib
 
 import pytest
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "src" / "optclip"
+import optclip
+
+# The package under test: the checkout's src/optclip, or the installed wheel's copy (CI runs the
+# fast tier against the wheel too, so a module left out of the wheel fails here).
+PACKAGE = pathlib.Path(optclip.__file__).resolve().parent
 
 LAYERS = [
     ["_checks"],  # argument validation and its messages

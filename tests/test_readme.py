@@ -55,7 +55,8 @@ def test_readme_block_prints_what_the_readme_says(index):
 
 
 def test_ci_runs_exactly_the_readme_commands():
-    """`.ci/run` runs the README's test commands, as written there, and nothing else."""
+    """`.ci/run` runs the README's commands, as written there, then `.ci/wheel` (the fast tier
+    against the installed wheel), and nothing else."""
     readme = (ROOT / "README.md").read_text()
     ci = [
         line.strip()
@@ -65,10 +66,13 @@ def test_ci_runs_exactly_the_readme_commands():
     assert ci == [
         'python -m pip install -e ".[test]" && python -m pytest -q',
         'python -m pip install -e ".[test,docs]" && python -m pytest -q -m slow',
+        "python -m mypy src",
+        "bash .ci/wheel",
     ]
     commands = [
         line for _, body in FENCE.findall(readme) for line in body.splitlines() if line.strip()
     ]
     demo = 'python -m pip install -e ".[examples]" && python examples/rnn_exploding_gradients.py'
-    for line in [demo, *ci]:
+    for line in [demo, *ci[:-1]]:
         assert line in commands, f"README does not give the command {line!r}"
+    assert ".ci/wheel" in readme, "README does not say that CI tests the installed wheel"
