@@ -8,11 +8,19 @@ Nothing here is a hand-kept list, so the site cannot drift from the code:
 
 * the API page (``api.rst``, directive ``optclip-api``) documents every name of
   ``optclip.__all__``, grouped by what it is; a name no rule recognises goes to "Other";
-* the home page and the user guide are README.md, inserted when the pages are read (its
-  title and introduction on the home page, every ``## `` section in the guide), with its links
-  to files of the repository made to work in the site;
+* the home page (``index.md``) is README.md and ``build_notes.md`` is BUILD_NOTES.md, included
+  where the page has a line ``<!-- include ../README.md -->``; in every Markdown page, and in
+  what it includes, links to files of the repository (written as relative paths, so that they
+  work on GitHub) are made to work in the site (see `_site_links`);
 * ``docs/examples/`` is written here, one page per ``examples/*.py`` (its module docstring,
   then its full source), and is not kept in git.
+
+The guides are Markdown files in ``docs/guides/``, written for GitHub and the site alike. To add
+one: write ``docs/guides/NAME.md`` (a ``# `` title; links relative to the page), add
+``guides/NAME`` to the guides' toctree in ``index.md`` (a page in no toctree is a warning, so
+an error here), and a paragraph linking it to the README's "Guides" section.
+``tests/test_doc_blocks.py`` runs its Python blocks and compares what they print with the
+```text block after each; ``tests/test_docs.py`` checks that the page is built and linked.
 
 Math is rendered to MathML when the site is built (``latex2mathml``): the pages need no
 JavaScript and no CDN, and read the same offline.
@@ -40,7 +48,6 @@ import optclip
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
-README = ROOT / "README.md"
 EXAMPLES = ROOT / "examples"
 GENERATED_EXAMPLES = DOCS / "examples"
 _PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
@@ -225,23 +232,56 @@ def _document_namedtuple_fields(app, what, name, obj, options, lines):
     lines[:] = [comment] if comment else []
 
 
-# == README.md: the home page and the guide ==================================================
+# == Markdown: README.md and BUILD_NOTES.md included, links made to work in the site ===========
 
 _FENCE = re.compile(r"^\s*(```+|~~~+)")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
 _EXAMPLE_CODE = re.compile(r"(?<!\[)`examples/(\w+)\.py`")
+INCLUDE = re.compile(r"^<!-- include (\S+) -->$", re.MULTILINE)
 
 
 def _example_names() -> list[str]:
     return sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
 
 
-def _site_links(markdown: str, docs_prefix: str = "") -> str:
-    """README links made to work from a page of the site (`docs_prefix`: its folder depth).
+def included_files() -> dict[Path, Path]:
+    """Each file of the repository that a page of the site includes, and that page's source."""
+    pages = {}
+    for page in DOCS.rglob("*.md"):
+        if GENERATED_EXAMPLES in page.parents or "_build" in page.parts:
+            continue
+        for match in INCLUDE.finditer(page.read_text(encoding="utf-8")):
+            pages[(page.parent / match.group(1)).resolve()] = page
+    return pages
 
-    A link to an example goes to its page, and so does a bare `` `examples/NAME.py` ``; a
-    link to another file of the repository goes to it on the source host; an image's path is
-    made relative to the page. Fenced code blocks are left as they are.
+
+def _site_target(target: str, source_dir: Path, page_dir: Path, image: bool) -> str:
+    """A link's target, written in a file of `source_dir`, as it must read on a page of
+    `page_dir`: a page of the site where there is one, else the file on the source host."""
+    path_part, hash_mark, fragment = target.partition("#")
+    path = (source_dir / path_part).resolve()
+    if not path.exists() or ROOT not in path.parents:
+        return target  # left for Sphinx to report
+    if image:
+        return os.path.relpath(path, page_dir)
+    if path.parent == EXAMPLES and path.suffix == ".py" and path.stem in _example_names():
+        path = GENERATED_EXAMPLES / f"{path.stem}.rst"
+    path = included_files().get(path, path)
+    if DOCS in path.parents and path.suffix in source_suffix:
+        return os.path.relpath(path, page_dir) + hash_mark + fragment
+    kind = "tree" if path.is_dir() else "blob"
+    return f"{SOURCE_URL}/{kind}/main/{path.relative_to(ROOT).as_posix()}" + hash_mark + fragment
+
+
+def _site_links(markdown: str, source_dir: Path, page_dir: Path) -> str:
+    """Markdown written in `source_dir` (README.md, BUILD_NOTES.md, a guide), with its links
+    made to work from a page of the site in `page_dir`.
+
+    Relative links are written for GitHub, as paths from the file to the file they point to.
+    In the site, a link to README.md or BUILD_NOTES.md goes to the page that includes it, one to
+    an example (and a bare `` `examples/NAME.py` ``) to the example's page, one to a page of the
+    site stays a link to that page, and one to another file of the repository goes to it on the
+    source host. Fenced code blocks are left as they are.
     """
     examples = set(_example_names())
     out, fence = [], None
@@ -250,63 +290,49 @@ def _site_links(markdown: str, docs_prefix: str = "") -> str:
         bang, text, target = match.groups()
         if re.match(r"^[a-z][a-z0-9+.-]*:|^#|^/", target):  # URL, anchor or absolute
             return match.group(0)
-        path = target.removeprefix("./")
-        stem = re.fullmatch(r"examples/(\w+)\.py", path)
-        if not bang and stem and stem.group(1) in examples:
-            return f"[{text}]({docs_prefix}examples/{stem.group(1)}.rst)"
-        if bang:
-            return f"![{text}]({docs_prefix}../{path})"
-        kind = "tree" if (ROOT / path).is_dir() else "blob"
-        return f"[{text}]({SOURCE_URL}/{kind}/main/{path})"
+        return f"{bang}[{text}]({_site_target(target, source_dir, page_dir, bool(bang))})"
 
     def example_code(match: re.Match) -> str:
         name = match.group(1)
         if name not in examples:
             return match.group(0)
-        return f"[`examples/{name}.py`]({docs_prefix}examples/{name}.rst)"
+        target = os.path.relpath(GENERATED_EXAMPLES / f"{name}.rst", page_dir)
+        return f"[`examples/{name}.py`]({target})"
 
+    def rewrite(prose: list[str]) -> list[str]:  # a link's text may span lines
+        text = _EXAMPLE_CODE.sub(example_code, _LINK.sub(link, "\n".join(prose)))
+        return text.split("\n") if prose else []
+
+    prose: list[str] = []
     for line in markdown.splitlines():
         opening = _FENCE.match(line)
         if fence is None and opening:
-            fence = opening.group(1)
-        elif fence is not None and line.strip().startswith(fence):
-            fence = None
-        elif fence is None:
-            line = _EXAMPLE_CODE.sub(example_code, _LINK.sub(link, line))
-        out.append(line)
-    return "\n".join(out) + "\n"
+            out += rewrite(prose) + [line]
+            prose, fence = [], opening.group(1)
+        elif fence is not None:
+            out.append(line)
+            if line.strip().startswith(fence):
+                fence = None
+        else:
+            prose.append(line)
+    return "\n".join(out + rewrite(prose)) + "\n"
 
 
-def readme_parts() -> tuple[str, str]:
-    """README.md as (title and introduction, its ``## `` sections), split outside fences."""
-    intro, sections, fence = [], [], None
-    target = intro
-    for line in README.read_text(encoding="utf-8").splitlines():
-        opening = _FENCE.match(line)
-        if fence is None and opening:
-            fence = opening.group(1)
-        elif fence is not None and line.strip().startswith(fence):
-            fence = None
-        elif fence is None and line.startswith("## "):
-            target = sections
-        target.append(line)
-    return "\n".join(intro) + "\n", "\n".join(sections) + "\n"
-
-
-README_INTRO = "<!-- README.md: title and introduction -->"
-README_SECTIONS = "<!-- README.md: sections -->"
-
-
-def _insert_readme(app, docname, source):
-    """Puts README.md into the pages that hold one of its markers."""
-    text = source[0]
-    if README_INTRO not in text and README_SECTIONS not in text:
+def _markdown_source(app, docname, source):
+    """A Markdown page as the site shows it: its links made to work in the site, and every
+    ``<!-- include PATH -->`` line replaced by that file (PATH relative to the page), whose
+    links are made to work from the page too."""
+    page = Path(app.env.doc2path(docname))
+    if page.suffix != ".md":
         return
-    app.env.note_dependency(str(README))
-    intro, sections = readme_parts()
-    prefix = "../" * docname.count("/")
-    text = text.replace(README_INTRO, _site_links(intro, prefix))
-    source[0] = text.replace(README_SECTIONS, _site_links(sections, prefix))
+    page_dir = page.parent
+
+    def include(match: re.Match) -> str:
+        path = (page_dir / match.group(1)).resolve()
+        app.env.note_dependency(str(path))
+        return _site_links(path.read_text(encoding="utf-8"), path.parent, page_dir)
+
+    source[0] = INCLUDE.sub(include, _site_links(source[0], page_dir, page_dir))
 
 
 # == examples/: one generated page each =====================================================
@@ -434,7 +460,7 @@ def _visit_displaymath(self, node):
 def setup(app):
     app.add_directive("optclip-api", OptclipAPI)
     app.connect("autodoc-process-docstring", _document_namedtuple_fields)
-    app.connect("source-read", _insert_readme)
+    app.connect("source-read", _markdown_source)
     app.add_html_math_renderer(
         "mathml", inline_renderers=(_visit_math, None), block_renderers=(_visit_displaymath, None)
     )

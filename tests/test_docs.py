@@ -1,9 +1,11 @@
 """The documentation site builds with warnings as errors, and shows what it should.
 
-One Sphinx build (about 15 s) into a temporary folder, then its HTML is read: every name of
+One Sphinx build (a few seconds) into a temporary folder, then its HTML is read: every name of
 ``optclip.__all__`` (and every field of the state classes) on the API page, a page per
-example with its docstring and whole source, README.md's title on the home page and its
-sections in the guide, no raw reST or TeX in the rendered text, and no broken internal link.
+example with its docstring and whole source, README.md as the home page (its quickstart code
+included) with links to every guide, the API page, the examples and the build notes, each guide
+of ``docs/guides/`` as a page with its code and output, BUILD_NOTES.md as a page, no raw reST or
+TeX in the rendered text, and no broken internal link.
 Needs the docs extra: ``python -m pip install -e ".[docs]"``.
 """
 
@@ -17,6 +19,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from _workers import doc_blocks
 
 import optclip
 
@@ -85,17 +88,25 @@ def markdown_to_text(line: str) -> str:
     return normalize(line.replace("`", "").replace("**", ""))
 
 
-def readme_headings() -> tuple[str, list[str]]:
-    """README.md's title and its ``## `` headings, outside code fences."""
-    title, sections, fence = None, [], False
-    for line in (ROOT / "README.md").read_text(encoding="utf-8").splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            fence = not fence
-        elif not fence and line.startswith("# ") and title is None:
+def markdown_headings(path: Path) -> tuple[str, list[str]]:
+    """A Markdown file's title and its ``## `` headings, outside code fences."""
+    title, sections = None, []
+    for line in doc_blocks.prose(path.read_text(encoding="utf-8")).splitlines():
+        if line.startswith("# ") and title is None:
             title = markdown_to_text(line[2:])
-        elif not fence and line.startswith("## "):
+        elif line.startswith("## "):
             sections.append(markdown_to_text(line[3:]))
     return title, sections
+
+
+def code_lines(path: Path) -> list[str]:
+    """Every non-blank line of the Python blocks of a Markdown file, and of their output."""
+    blocks = doc_blocks.python_blocks(path)
+    texts = [b.code for b in blocks] + [b.expected for b in blocks if b.expected]
+    return [normalize(line) for text in texts for line in text.splitlines() if line.strip()]
+
+
+GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +174,45 @@ def test_every_example_has_a_page(site):
         assert normalize(code[0]) in page.text and normalize(code[-1]) in page.text
 
 
-def test_readme_is_the_home_page_and_the_guide(site):
-    title, sections = readme_headings()
+def test_readme_is_the_home_page(site):
+    title, sections = markdown_headings(ROOT / "README.md")
     home = Page(site / "index.html")
     assert home.headings[0] == title
     first_paragraph = (ROOT / "README.md").read_text(encoding="utf-8").split("\n\n")[1]
     assert markdown_to_text(first_paragraph) in home.text
-    guide = Page(site / "guide.html")
-    missing = [heading for heading in sections if heading not in guide.headings]
-    assert not missing, f"README sections not in the guide: {missing}"
-    assert "Quickstart" in sections and "Multi-device" in sections
+    missing = [heading for heading in sections if heading not in home.headings]
+    assert not missing, f"README sections not on the home page: {missing}"
+    quickstart = doc_blocks.python_blocks(ROOT / "README.md")[0]
+    assert "Quickstart" in sections and "optclip.global_clip" in quickstart.code
+    for line in quickstart.code.splitlines() + quickstart.expected.splitlines():
+        assert normalize(line) in home.text, f"quickstart line not on the home page: {line!r}"
+
+
+def test_home_page_links_guides_api_examples_and_build_notes(site):
+    hrefs = {urlsplit(href).path for href in Page(site / "index.html").hrefs}
+    pages = [f"guides/{g.stem}.html" for g in GUIDES]
+    pages += ["api.html", "examples/index.html", "build_notes.html"]
+    missing = [page for page in pages if page not in hrefs]
+    assert not missing, f"pages the home page does not link to: {missing}"
+
+
+@pytest.mark.parametrize("guide", GUIDES, ids=[g.stem for g in GUIDES])
+@pytest.mark.every_case  # one build serves all
+def test_every_guide_is_a_page_with_its_code_and_output(site, guide):
+    title, sections = markdown_headings(guide)
+    page = Page(site / "guides" / f"{guide.stem}.html")
+    assert page.headings[0] == title
+    assert not [heading for heading in sections if heading not in page.headings]
+    missing = [line for line in code_lines(guide) if line not in page.text]
+    assert not missing, f"{guide.name}: code or output not on its page: {missing[:3]}"
+
+
+def test_build_notes_is_a_page(site):
+    title, sections = markdown_headings(ROOT / "BUILD_NOTES.md")
+    page = Page(site / "build_notes.html")
+    assert page.headings[0] == title
+    missing = [heading for heading in sections if heading not in page.headings]
+    assert not missing, f"BUILD_NOTES sections not on its page: {missing}"
 
 
 def test_internal_links_resolve(site):

@@ -1,0 +1,127 @@
+"""The Python blocks of README.md and of every guide run, and print exactly what the page says.
+
+A ```python block that prints must be followed by a ```text block holding its output; each block
+is run as a reader would run it (a fresh namespace, JAX's default dtype promotion), its standard
+output captured and compared line by line. Blocks are found and run by ``_workers/doc_blocks.py``.
+
+Adding a guide: write ``docs/guides/NAME.md`` (plain Markdown that GitHub renders too; links to
+files of the repository are relative to the page), add ``guides/NAME`` to the guides' toctree in
+``docs/index.md`` and a paragraph linking it to the README's "Guides". Its blocks are collected
+here with no change to this file. A page whose blocks need several devices says so with
+``<!-- blocks run on 8 CPU devices -->``; its blocks then run together in one subprocess with
+JAX on that many CPU devices (write them so that they print the same on any device count).
+"""
+
+import re
+import subprocess
+import sys
+
+import pytest
+from _workers import doc_blocks, launch
+
+ROOT = doc_blocks.ROOT
+README = ROOT / "README.md"
+GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
+PAGES = [README, *GUIDES]
+BLOCKS = [block for page in PAGES for block in doc_blocks.python_blocks(page)]
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def lines(text):
+    return [line.rstrip() for line in text.strip().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def several_devices():
+    """The printed output of the blocks of a page that needs several devices, by block line:
+    all of the page's blocks run in one subprocess, once per test session."""
+    results: dict = {}
+
+    def output(block: doc_blocks.Block) -> str:
+        if block.page not in results:
+            count = doc_blocks.devices(ROOT / block.page)
+            proc = subprocess.run(
+                [sys.executable, str(launch.WORKERS / "doc_blocks.py"), block.page],
+                env=launch.env_for(count),
+                capture_output=True,
+                text=True,
+                timeout=launch.TIMEOUT_S,
+                check=False,
+            )
+            results[block.page] = launch.result(proc.stdout)
+            assert results[block.page] is not None, (
+                f"{block.page}: the {count}-device run printed no result:\n{proc.stderr[-3000:]}"
+            )
+        outcome = results[block.page][str(block.line)]
+        if outcome["error"]:
+            pytest.fail(f"{block.name} raised:\n{outcome['error']}", pytrace=False)
+        return outcome["stdout"]
+
+    return output
+
+
+def test_pages_have_python_examples_with_their_output():
+    assert GUIDES, "no guides in docs/guides/"
+    readme = [block for block in BLOCKS if block.page == "README.md"]
+    assert len(readme) >= 3 and sum(block.expected is not None for block in readme) >= 2
+    assert sum(block.expected is not None for block in BLOCKS) >= 10
+
+
+@pytest.mark.every_case  # every block of every page is checked in the fast tier
+@pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
+def test_block_prints_what_the_page_says(block, several_devices):
+    if doc_blocks.devices(ROOT / block.page) > 1:
+        printed = several_devices(block)
+    else:
+        printed = doc_blocks.run(block)
+    if block.expected is None:
+        assert not printed, f"{block.name} prints; follow it with a ```text block:\n{printed}"
+    else:
+        assert lines(printed) == lines(block.expected), block.name
+
+
+def test_readme_links_every_guide():
+    linked = set(_LINK.findall(README.read_text(encoding="utf-8")))
+    missing = [g.name for g in GUIDES if f"docs/guides/{g.name}" not in linked]
+    assert not missing, f"guides without a paragraph and link in README.md: {missing}"
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+@pytest.mark.every_case
+def test_relative_links_point_to_files(page):
+    """A link to a file of the repository works on GitHub: the file exists where it points."""
+    broken = []
+    for target in _LINK.findall(doc_blocks.prose(page.read_text(encoding="utf-8"))):
+        path = target.split("#")[0]
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target) or not path:
+            continue
+        if not (page.parent / path).exists():
+            broken.append(target)
+    assert not broken, f"{page.name}: links to missing files: {broken}"
+
+
+def test_ci_runs_exactly_the_readme_commands():
+    """`.ci/run` runs the README's commands, as written there, then `.ci/wheel` (the fast tier
+    against the installed wheel), and nothing else."""
+    readme = README.read_text()
+    ci = [
+        line.strip()
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line.strip() and not line.startswith(("#", "set ", "cd "))
+    ]
+    assert ci == [
+        'python -m pip install -e ".[test]" && python -m pytest -q',
+        'python -m pip install -e ".[test,docs]" && python -m pytest -q -m slow',
+        "python -m mypy src",
+        "bash .ci/wheel",
+    ]
+    commands = [
+        line
+        for _, _, body in doc_blocks.fenced_blocks(readme)
+        for line in body.splitlines()
+        if line.strip()
+    ]
+    demo = 'python -m pip install -e ".[examples]" && python examples/rnn_exploding_gradients.py'
+    for line in [demo, *ci[:-1]]:
+        assert line in commands, f"README does not give the command {line!r}"
+    assert ".ci/wheel" in readme, "README does not say that CI tests the installed wheel"
