@@ -17,7 +17,7 @@ from optclip import _axes, _checks, _norm_rules, _norms
 
 def threshold_as(value, dtype):
     """A checked threshold as a 0-d array of `dtype`, negative values raised to zero."""
-    return jnp.maximum(jnp.asarray(value).astype(dtype), 0)
+    return jnp.maximum(_checks.as_array(value, dtype), 0)
 
 
 def clip_scale(norm, threshold):
@@ -121,6 +121,7 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     _checks.check_bounds(clip_value_min, clip_value_max)
 
     def clip_leaf(path, x):
+        _checks.check_array_leaf(path, x, "`clip_by_value`")
         x = jnp.asarray(x)
         dtype = x.dtype
         if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
@@ -139,28 +140,31 @@ def _leaf_bound(bound, name, path, x, rounding):
     """`bound` checked against leaf `x` and cast to its dtype; None (no bound) stays None."""
     if bound is None:
         return None
-    bound = jnp.asarray(bound)
+    shape = np.shape(bound)
     try:
-        fits = np.broadcast_shapes(bound.shape, x.shape) == x.shape
+        fits = np.broadcast_shapes(shape, x.shape) == x.shape
     except ValueError:
         fits = False
     if not fits:
         raise ValueError(
-            f"`{name}` of shape {bound.shape} does not broadcast to leaf "
+            f"`{name}` of shape {shape} does not broadcast to leaf "
             f"`{_checks.leaf_name(path)}` of shape {x.shape}."
         )
     if jnp.issubdtype(x.dtype, jnp.integer):
-        return _integer_bound(bound, x.dtype, rounding)
-    return bound.astype(x.dtype)
+        if not jnp.issubdtype(jnp.result_type(bound), jnp.integer):
+            return _integer_bound(jnp.asarray(bound), x.dtype, rounding)
+        if isinstance(bound, jax.Array):  # saturated at the leaf's range, on the device
+            info, own = jnp.iinfo(x.dtype), jnp.iinfo(bound.dtype)
+            lo, hi = max(int(info.min), int(own.min)), min(int(info.max), int(own.max))
+            return jnp.clip(bound, lo, hi).astype(x.dtype)
+    # Concrete integers are converted on the host, exactly (saturated for an integer leaf).
+    return _checks.as_array(bound, x.dtype)
 
 
 def _integer_bound(bound, dtype, rounding):
-    """A bound for an integer leaf, in its dtype: float bounds rounded inwards (`rounding`),
-    every bound saturated to the dtype's range, so an infinite bound is no bound."""
+    """A float bound for an integer leaf, in its dtype: rounded inwards (`rounding`) and
+    saturated to the dtype's range, so an infinite bound is no bound."""
     info = jnp.iinfo(dtype)
-    if jnp.issubdtype(bound.dtype, jnp.integer):
-        own = jnp.iinfo(bound.dtype)
-        return jnp.clip(bound, max(info.min, own.min), min(info.max, own.max)).astype(dtype)
     bound = rounding(bound)
     # Compared, not clipped in floating point: float(info.max) may round up past the range.
     inside = jnp.where(bound <= float(info.min), jnp.array(info.min, dtype), bound.astype(dtype))
@@ -203,6 +207,7 @@ def clip_by_norm(tree, clip_norm, axes=None):
        [0.3 0.4]]
     """
     _checks.check_scalar(clip_norm, "clip_norm")
+    axes = _checks.check_axes(axes)
 
     def clip_leaf(path, x):
         _checks.check_float_leaf(path, x, "clip_by_norm")

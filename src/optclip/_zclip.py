@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
 
 
@@ -180,6 +180,11 @@ def zclip(
     _checks.check_number(z_thresh, "z_thresh", "a number > 0", lambda v: v > 0)
     if max_norm is not None:
         _checks.check_threshold(max_norm, "max_norm")
+        _checks.warn_if_nonpositive(
+            max_norm,
+            f"zclip(max_norm={max_norm!r})",
+            "If you meant no absolute cap, pass `max_norm=None`.",
+        )
     _checks.check_count(warmup_steps, "warmup_steps", static=False)
     _checks.check_choice(mode, "mode", ("zscore", "percentile"))
     if mode == "zscore":
@@ -188,6 +193,7 @@ def zclip(
     _checks.check_bool(skip_update_on_spike, "skip_update_on_spike")
     _checks.check_number(eps, "eps", "a number > 0", lambda v: v > 0)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
+    _axes.check_axis_name(axis_name)
     group_norms = _groups.check_spec(group_norms)
     rule = _Rule(alpha, z_thresh, mode, clip_option, clip_factor, skip_update_on_spike, eps)
 
