@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _checks, _errors, _functional
+from optclip import _axes, _checks, _errors, _functional
 
 
 class NonFiniteNormError(FloatingPointError):
@@ -25,12 +25,18 @@ def raise_if_nonfinite(norm, tree, what: str) -> None:
     """
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = [_checks.leaf_name(path) for path, _ in paths_and_leaves]
+    # Under shard_map/pmap each device sees its own pieces: the NaN may be in another's.
+    none = (
+        "none here (the norm itself overflowed, or the NaN or inf is on another device)"
+        if _axes.bound_axis_names()
+        else "none (the norm itself overflowed)"
+    )
 
     def error(norm_value, finite_leaves):
         bad = [name for name, ok in zip(names, finite_leaves) if not np.all(ok)]
         return NonFiniteNormError(
             f"`{what}`: the norm of the updates is {norm_value}, not finite; leaves with NaN or "
-            f"inf: {', '.join(f'`{b}`' for b in bad) or 'none (the norm itself overflowed)'}. "
+            f"inf: {', '.join(f'`{b}`' for b in bad) or none}. "
             "(`nonfinite='raise'`; 'propagate' makes the update NaN, 'zero' drops it.)"
         )
 
