@@ -132,7 +132,11 @@ def agc(
     Raises:
       ValueError: a concrete negative or NaN `clipping` or `eps`, or one that is not 0-d; at
         update, ``params=None``, params that do not match the updates, or `axis` out of range.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+      TypeError: `axis` is not None, an int or ints; `axis_name` is not one of the accepted
+        forms; at update, an integer or boolean leaf (the message names its path).
+
+    Warns:
+      UserWarning: a concrete ``clipping=0``, which zeroes every update.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip

@@ -87,8 +87,8 @@ def autoclip(
     Raises:
       ValueError: `percentile` outside [0, 100] or not 0-d; `history` not an int >= 1; unknown
         `nonfinite`.
-      TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); at update, an
-        integer or boolean leaf.
+      TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); `axis_name` is not
+        one of the accepted forms; at update, an integer or boolean leaf.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip

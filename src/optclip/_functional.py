@@ -64,13 +64,16 @@ def global_norm(tree, *, ord=2, axis_name=None):
       axis_name: inside ``shard_map`` or ``pmap``, the mesh axes the leaves are split over: a
         name, a tuple of names (every leaf), or a pytree of ``PartitionSpec`` s / names matching
         the tree or a prefix of it (``None`` or ``P()`` for a replicated leaf). Not needed under
-        ``jit`` with sharded arrays.
+        ``jit`` with sharded arrays. Under ``pmap`` it is taken on trust: a leaf that is the
+        same on every device (gradients after ``lax.pmean``) is replicated, and declared split
+        it is counted once per device; :func:`check_split` finds such a leaf.
 
     Returns:
       A 0-d float32 array (float64 if any leaf is float64 or complex128).
 
     Raises:
-      TypeError: a leaf is not floating-point or complex (the message names its path).
+      TypeError: a leaf is not floating-point or complex (the message names its path), or
+        ``axis_name`` is not one of the accepted forms.
       ValueError: ``ord`` is not one of the accepted values, or ``axis_name`` does not match.
 
     Examples:
@@ -109,7 +112,8 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     Raises:
       ValueError: concrete ``clip_value_min > clip_value_max``, a concrete NaN bound, or a bound
         that does not broadcast to a leaf (the message names the leaf).
-      TypeError: a boolean or complex leaf.
+      TypeError: a boolean or complex leaf, or a leaf that is not an array (a str, say); a
+        complex bound (it has no order).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -195,7 +199,8 @@ def clip_by_norm(tree, clip_norm, axes=None):
 
     Raises:
       ValueError: `clip_norm` is not 0-d or is NaN, or `axes` is out of range for a leaf.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer or boolean leaf (the message names its path); `axes` that are not
+        None, an int or ints (``[0.5]``, ``True`` or ``jnp.array(1.5)`` are not truncated).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip

@@ -150,7 +150,12 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is, or `axes` out of range for a leaf.
-      TypeError: at update, an integer or boolean leaf.
+      TypeError: `axes` is not None, an int or ints (``[0.5]``, ``True``, a traced value); at
+        update, an integer or boolean leaf.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (TensorFlow's rule;
+        for Keras' "<= 0 turns clipping off", use :func:`clipped` with ``clipnorm=``).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -184,6 +189,9 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update.
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -219,6 +227,9 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
         update, a schedule value that is.
       TypeError: at update, an integer or boolean leaf.
 
+    Warns:
+      UserWarning: a concrete `threshold` <= 0, which zeroes every update.
+
     Examples:
       >>> import jax.numpy as jnp, optclip
       >>> tx = optclip.block_rms_clip(1.0)
@@ -253,13 +264,15 @@ def global_clip(
       axis_name: inside ``shard_map``/``pmap``, the mesh axes the updates are split over; see
         :func:`global_norm`. None (default): inside ``shard_map`` each leaf's axes are read from
         how it varies over the mesh; elsewhere there is nothing to reduce (under ``jit``,
-        sharded arrays are whole arrays).
+        sharded arrays are whole arrays). Under ``pmap``, gradients averaged with
+        ``lax.pmean`` are the same on every device: leave None (naming the axis would count
+        them once per device); :func:`check_split` checks it.
       nonfinite: what a non-finite norm does: ``"propagate"`` (default; every leaf becomes NaN,
         as in TensorFlow), ``"zero"`` (the update becomes zeros) or ``"raise"``
         (:class:`NonFiniteNormError` naming the leaves with NaN or inf, as PyTorch's
         ``error_if_nonfinite=True``; eager: before anything changes; under ``jit``: when the
-        step runs, re-raised by JAX as its runtime error with this message). Each such step is
-        counted in ``nonfinite_count``.
+        step runs, reported by JAX as its own runtime error, which :func:`reraise_errors`
+        turns back into this one). Each such step is counted in ``nonfinite_count``.
       group_norms: also keep the pre-clip norm of groups of leaves (per layer, per leaf) in the
         state, computed from the same partial sums as the global norm: None (default), ``"leaf"``
         (one group per leaf), an int ``k >= 1`` (the leaves under each key path of depth ``k``
@@ -276,9 +289,14 @@ def global_clip(
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN; unknown `ord`, `nonfinite` or
         `group_norms`; at update, an `axis_name` that is not bound or does not match how the
-        leaves vary over the mesh.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+        leaves vary over the mesh (:class:`AxisNameError`).
+      TypeError: `axis_name` is not one of the accepted forms; at update, an integer or boolean
+        leaf (the message names its path).
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (TensorFlow's rule;
+        for Keras' "<= 0 turns clipping off", use :func:`clipped` with ``global_clipnorm=``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip

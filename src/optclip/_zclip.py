@@ -160,7 +160,12 @@ def zclip(
       ValueError: `alpha` outside (0, 1); `z_thresh`, `clip_factor` or `eps` not > 0;
         `warmup_steps` not an int >= 1; unknown `mode`, `clip_option` or `nonfinite`; a number
         that is not 0-d.
-      TypeError: `skip_update_on_spike` not a bool; at update, an integer or boolean leaf.
+      TypeError: `skip_update_on_spike` not a bool; `axis_name` not one of the accepted forms;
+        at update, an integer or boolean leaf.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (``max_norm=None``
+        turns the absolute cap off).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
