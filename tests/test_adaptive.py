@@ -592,7 +592,7 @@ def test_in_a_chain_with_inject_hyperparams():
         (
             lambda: optclip.zclip(skip_update_on_spike="yes"),
             TypeError,
-            "`skip_update_on_spike` must be a bool",
+            "`skip_update_on_spike` must be a Python bool, got str",
         ),
         (lambda: optclip.zclip(eps=0.0), ValueError, "`eps` must be a number > 0"),
         (

@@ -1,5 +1,8 @@
 """The Optax transformations: the contract over dtypes, state, and composition with Optax."""
 
+import copy
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -374,6 +377,10 @@ def test_value_clip_under_inject_hyperparams_keeps_the_one_argument_form():
     np.testing.assert_array_equal(jax.jit(opt.update)(g, opt.init(g))[0], [-1.0, 0.5, 1.0])
     opt = optax.inject_hyperparams(optclip.value_clip)(0.0, None)
     np.testing.assert_array_equal(jax.jit(opt.update)(g, opt.init(g))[0], [0.0, 0.5, 2.0])
+    # The "not given" default survives a copy (wrappers that deep-copy their arguments).
+    default = inspect.signature(optclip.value_clip).parameters["clip_value_max"].default
+    tx = optclip.value_clip(1.0, copy.deepcopy(default))
+    np.testing.assert_array_equal(tx.update(g, tx.init(g))[0], [-1.0, 0.5, 1.0])
 
 
 # NaN thresholds -------------------------------------------------------------------------------

@@ -30,6 +30,9 @@ class _NotGiven:
     def __repr__(self) -> str:
         return "<not given>"
 
+    def __reduce__(self) -> str:
+        return "NOT_GIVEN"  # copies and pickles are the one instance (compared with `is`)
+
 
 NOT_GIVEN = _NotGiven()
 
