@@ -20,7 +20,8 @@ class Side:
     global_norm: Callable[[Any], Any]
     global_clip: Callable[[float], optax.GradientTransformation]
     # Per-example clipping of a list of arrays with a leading batch axis, clipped and summed:
-    # ``fn(grads, max_norm)`` returns the sum first, then whatever else the library returns.
+    # ``fn(grads, max_norm)`` returns ``(summed, num_clipped)`` on both sides (optclip's are
+    # drop-ins for optax's).
     per_example_clip: Callable[[Any, float], Any]
     per_example_layer_clip: Callable[[Any, float], Any]
 

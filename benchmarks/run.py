@@ -374,7 +374,7 @@ class Suite:
             for name, shapes in trees.items()
         }
         # Jitted as inside a DP-SGD step: the sum feeds the optimizer (noise, update), so it is
-        # the output; the counts (and optclip's norms) are dropped by XLA on both sides.
+        # the output; the counts are dropped by XLA on both sides.
         for name, batch in batches.items():
             self.log(f"per-example functions, run time ({n} examples, {name})")
             fns = [jax.jit(lambda g, f=f: f(g, 1.0)[0]) for _, a, b in contenders for f in (a, b)]

@@ -379,7 +379,7 @@ def test_agc_errors():
         optclip.agc(jnp.ones(2))
     with pytest.raises(TypeError, match="`axis` must be None, an int"):
         optclip.agc(axis="rows")
-    with pytest.raises(ValueError, match=r"`axes` \(2,\) is out of range for leaf `\['bias'\]`"):
+    with pytest.raises(ValueError, match=r"`axis` \(2,\) is out of range for leaf `\['bias'\]`"):
         optclip.agc(axis=2).update(grads, tx.init(params), params)
 
 
@@ -592,7 +592,7 @@ def test_in_a_chain_with_inject_hyperparams():
         (
             lambda: optclip.zclip(skip_update_on_spike="yes"),
             TypeError,
-            "`skip_update_on_spike` must be a bool",
+            "`skip_update_on_spike` must be a Python bool, got str",
         ),
         (lambda: optclip.zclip(eps=0.0), ValueError, "`eps` must be a number > 0"),
         (

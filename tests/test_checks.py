@@ -207,3 +207,204 @@ def test_clipped_needs_a_transformation_not_a_factory(optimizer, received):
     accepted = r"`optimizer` must be an optax.GradientTransformation such as `optax.adam\(1e-3\)`"
     with pytest.raises(TypeError, match=f"{accepted}; {received}"):
         optclip.clipped(optimizer, clipnorm=1.0)
+
+
+# `axes`: one strict check for clip_by_norm, norm_clip and agc's `axis` -----------------------
+
+BAD_AXES = [[0.5], ["1"], True, jnp.array(1.5), "rows", (0, 1.0), np.array([0.0])]
+
+
+@pytest.mark.parametrize("axes", BAD_AXES, ids=[repr(a) for a in BAD_AXES])
+def test_axes_are_ints_or_an_error_never_truncated(axes):
+    message = r"`axes` must be None, an int or a sequence of ints, got "
+    with pytest.raises(TypeError, match=message):
+        optclip.clip_by_norm(jnp.ones((2, 2)), 1.0, axes=axes)
+    with pytest.raises(TypeError, match=message):
+        optclip.norm_clip(1.0, axes=axes)
+    with pytest.raises(TypeError, match=r"`axis` must be None, an int or a sequence of ints"):
+        optclip.agc(0.01, axis=axes)
+
+
+def test_axes_accept_numpy_and_0d_integer_arrays():
+    x = jnp.array([[3.0, 4.0], [0.3, 0.4]])
+    want = optclip.clip_by_norm(x, 1.0, axes=[1])
+    for axes in (1, np.int64(1), jnp.array(1), (jnp.array(-1),), np.array([1])):
+        np.testing.assert_array_equal(optclip.clip_by_norm(x, 1.0, axes=axes), want)
+        tx = optclip.norm_clip(1.0, axes=axes)
+        np.testing.assert_array_equal(tx.update(x, tx.init(x))[0], want)
+
+
+# Bounds: complex, and integers beyond int32 -----------------------------------------------
+
+
+@pytest.mark.parametrize("bound", [1 + 2j, np.complex64(1 + 2j), jnp.array([1 + 2j, 3])])
+def test_a_complex_bound_is_an_error_naming_it(bound):
+    with pytest.raises(TypeError, match=r"`clip_value_max` must be (real|a real number)"):
+        optclip.clip_by_value(jnp.ones(2), 0.0, bound)
+    with pytest.raises(TypeError, match=r"`clip_value_min` must be (real|a real number)"):
+        optclip.value_clip(bound, None)
+
+
+def test_a_complex_array_bound_says_why():
+    with pytest.raises(TypeError, match="a complex bound has no order .* got dtype complex64"):
+        optclip.clip_by_value(jnp.ones(2), jnp.array(1j), None)
+
+
+def test_bounds_beyond_int32_are_the_numbers_they_say():
+    x = {"f": jnp.array([-3.0, 5e12]), "i": jnp.array([-3, 2**31 - 1], jnp.int32)}
+    for big in (2**40, np.int64(2**40), np.array([2**40, 2**40])):
+        out = optclip.clip_by_value(x, 0, big)
+        np.testing.assert_array_equal(out["f"], np.float32([0.0, 2.0**40]))
+        np.testing.assert_array_equal(out["i"], [0, 2**31 - 1])  # saturated: no bound
+        assert out["i"].dtype == jnp.int32
+        out = optclip.clip_by_value(x, -big, -1)
+        np.testing.assert_array_equal(out["i"], [-3, -1])
+    tx = optclip.value_clip(2**40)  # [-2**40, 2**40]: nothing to clip here
+    np.testing.assert_array_equal(tx.update(x, tx.init(x))[0]["i"], x["i"])
+
+
+def test_an_int_threshold_beyond_int32_is_a_big_number_not_an_overflow():
+    x = {"w": jnp.array([3.0, 4.0])}
+    for big in (2**40, np.int64(2**40)):  # (NumPy int64 would wrap to 0 in a JAX int32)
+        np.testing.assert_array_equal(optclip.clip_by_norm(x, big)["w"], x["w"])
+        clipped, norm = optclip.clip_by_global_norm(x, big)
+        np.testing.assert_array_equal(clipped["w"], x["w"])
+        for tx in (optclip.global_clip(big), optclip.norm_clip(big), optclip.zclip(max_norm=big)):
+            updates, state = tx.update(x, tx.init(x))
+            np.testing.assert_array_equal(updates["w"], x["w"])
+        assert float(optax.tree.get(state, "threshold")) >= 2.0**40
+        summed, _ = optclip.per_example_clip({"w": x["w"][None]}, big)
+        np.testing.assert_array_equal(summed["w"], x["w"])
+
+
+def test_an_int_too_large_for_any_float_is_an_error():
+    with pytest.raises(ValueError, match="`clip_norm` is too large for any float dtype"):
+        optclip.clip_by_global_norm(jnp.ones(2), 10**400)
+    with pytest.raises(ValueError, match="`max_norm` is too large for any float dtype"):
+        optclip.global_clip(10**400)
+    with pytest.raises(ValueError, match="`clip_value_max` is too large for any float dtype"):
+        optclip.clip_by_value(jnp.ones(2), None, 10**400)
+
+
+# Leaves that are not arrays --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "call, what",
+    [
+        (lambda t: optclip.global_norm(t), "global_norm"),
+        (lambda t: optclip.clip_by_norm(t, 1.0), "clip_by_norm"),
+        (lambda t: optclip.clip_by_global_norm(t, 1.0), "clip_by_global_norm"),
+        (lambda t: optclip.clip_by_value(t, 0.0, 1.0), "`clip_by_value`"),
+        (lambda t: optclip.per_example_clip(t, 1.0), "per_example_clip"),
+    ],
+)
+def test_a_string_leaf_is_named_as_a_string_not_a_dtype(call, what):
+    tree = {"a": jnp.ones((2, 2)), "b": "int32"}
+    with pytest.raises(
+        TypeError,
+        match=rf"{what} needs arrays or numbers as leaves; leaf "
+        r"`\['b'\]` is a str: 'int32'\.",
+    ):
+        call(tree)
+
+
+# `axis_name`: its type is checked when it is given ---------------------------------------
+
+
+AXIS_NAME_FACTORIES = {
+    "global_clip": lambda a: optclip.global_clip(1.0, axis_name=a),
+    "autoclip": lambda a: optclip.autoclip(axis_name=a),
+    "zclip": lambda a: optclip.zclip(axis_name=a),
+    "agc": lambda a: optclip.agc(axis_name=a),
+    "global_norm": lambda a: optclip.global_norm(jnp.ones(2), axis_name=a),
+    "clip_by_global_norm": lambda a: optclip.clip_by_global_norm(jnp.ones(2), 1.0, axis_name=a),
+}
+
+
+@pytest.mark.parametrize("name", AXIS_NAME_FACTORIES)
+@pytest.mark.parametrize(
+    "axis_name, held",
+    [(5, ""), (("i", 5), r" \(it holds 5\)"), ({"w": 1.0}, r" \(it holds 1.0\)")],
+)
+def test_axis_name_of_the_wrong_type_is_an_error_at_the_call(name, axis_name, held):
+    from jax.sharding import PartitionSpec as P
+
+    accepted = (
+        r"`axis_name` must be None, 'auto', a mesh axis name \(a str\), a tuple of names, a "
+        r"PartitionSpec, or a pytree of PartitionSpecs / names / None matching the updates "
+        r"\(such as shard_map's `in_specs`\); got "
+    )
+    with pytest.raises(TypeError, match=accepted + r".*" + held + r"\.$"):
+        AXIS_NAME_FACTORIES[name](axis_name)
+    with pytest.raises(TypeError, match=accepted + r"P\(5,\) \(it holds 5\)"):
+        AXIS_NAME_FACTORIES[name](P(5))
+
+
+def test_axis_name_of_an_accepted_form_is_not_an_error_at_construction():
+    from jax.sharding import PartitionSpec as P
+
+    for axis_name in (None, "auto", "i", ("i", "j"), P("i", None), {"w": P("i"), "b": None}):
+        optclip.global_clip(1.0, axis_name=axis_name)
+        optclip.agc(axis_name=axis_name)
+
+
+# `metrics` reads a state ----------------------------------------------------------------
+
+
+def test_metrics_of_an_optimizer_or_a_factory_says_to_pass_the_state():
+    opt = optax.chain(optclip.global_clip(1.0), optax.sgd(1.0))
+    with pytest.raises(TypeError, match=r"reads the optimizer \*state\*, got the optimizer"):
+        optclip.metrics(opt)
+    with pytest.raises(TypeError, match=r"got the callable `global_clip`.*optimizer.init"):
+        optclip.metrics(optclip.global_clip)
+    assert optclip.metrics(opt.init(jnp.ones(2)))  # the state itself is read
+
+
+# A threshold <= 0 given to a transformation warns; `clipped` and the functions do not ----
+
+
+NONPOSITIVE = {
+    "norm_clip": (lambda: optclip.norm_clip(0.0), r"norm_clip\(max_norm=0.0\)", "clipnorm="),
+    "average_norm_clip": (
+        lambda: optclip.average_norm_clip(-1),
+        r"average_norm_clip\(max_norm=-1\)",
+        "leave the clip out",
+    ),
+    "block_rms_clip": (
+        lambda: optclip.block_rms_clip(0),
+        r"block_rms_clip\(threshold=0\)",
+        "leave the clip out",
+    ),
+    "global_clip": (
+        lambda: optclip.global_clip(np.float32(0.0)),
+        r"global_clip\(max_norm=np.float32\(0.0\)\)",
+        "global_clipnorm=",
+    ),
+    "zclip": (lambda: optclip.zclip(max_norm=0.0), r"zclip\(max_norm=0.0\)", "max_norm=None"),
+    "agc": (lambda: optclip.agc(clipping=0.0), r"agc\(clipping=0.0\)", "leave the clip out"),
+}
+
+
+@pytest.mark.parametrize("name", NONPOSITIVE)
+def test_a_threshold_that_zeroes_every_update_warns_at_construction(name):
+    make, call, hint = NONPOSITIVE[name]
+    with pytest.warns(UserWarning, match=rf"`{call}` zeroes every update: .*{hint}") as record:
+        make()
+    assert record[0].filename == __file__  # it points at the caller's line
+
+
+def test_no_warning_for_clipped_schedules_traced_or_positive_thresholds(recwarn):
+    for arg in ("clipnorm", "clipvalue", "global_clipnorm"):
+        optclip.clipped(optax.sgd(1.0), **{arg: 0.0})  # Keras: <= 0 turns clipping off
+    optclip.global_clip(optax.linear_schedule(0.0, 1.0, 10))
+    optclip.global_clip(1e-30)
+    optclip.zclip(max_norm=None)
+    optclip.agc(clipping=0.01)
+    optclip.clip_by_global_norm(jnp.ones(2), 0.0)  # the functions: TensorFlow's rule, quietly
+    jax.jit(
+        lambda c: optclip.global_clip(c).update(
+            jnp.ones(2), optclip.global_clip(c).init(jnp.ones(2))
+        )
+    )(0.0)
+    assert not [w for w in recwarn if "zeroes every update" in str(w.message)]

@@ -17,6 +17,7 @@ import optclip
 PACKAGE = pathlib.Path(optclip.__file__).resolve().parent
 
 LAYERS = [
+    ["_errors"],  # errors raised from a compiled step, and `reraise_errors`
     ["_checks"],  # argument validation and its messages
     ["_norm_rules"],  # norms from elementwise terms: fallback, batching and derivative rules
     ["_axes", "_groups"],  # which mesh axes split each leaf; which group each leaf is in

@@ -58,6 +58,7 @@ MULTIDEVICE_GROUPS = [
     "auto",
     "groups",
     "devices",
+    "split-check",
 ]
 
 

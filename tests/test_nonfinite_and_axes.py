@@ -55,6 +55,62 @@ def test_raise_under_jit_raises_when_the_step_runs(name):
     assert "NonFiniteNormError" in str(info.value)
 
 
+@pytest.mark.parametrize("name", ["global_clip", "zclip", "clipped-clipvalue"])
+def test_reraise_errors_gives_back_the_error_from_a_jitted_step(name, capfd, caplog):
+    """The README's way: `except optclip.NonFiniteNormError` around a jitted step, inside
+    `optclip.reraise_errors()`, catches the error itself, with no traceback on stderr."""
+    tx = RAISING[name]()
+    step = jax.jit(tx.update)
+    state = tx.init(GOOD)
+    capfd.readouterr()
+    with pytest.raises(optclip.NonFiniteNormError, match=MESSAGE) as info:
+        with optclip.reraise_errors():
+            jax.block_until_ready(step(BAD, state, GOOD))
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    assert capfd.readouterr().err == ""
+    assert "jax.debug.callback failed" not in caplog.text  # JAX's report of it is left out
+    with optclip.reraise_errors():  # a finite step afterwards runs as usual
+        updates, _ = step(GOOD, state, GOOD)
+    assert np.all(np.isfinite(updates["w"]))
+
+
+def test_reraise_errors_as_a_decorator_and_for_vmap():
+    tx = optclip.global_clip(1.0, nonfinite="raise")
+
+    @optclip.reraise_errors()
+    @jax.jit
+    def step(grads):
+        return tx.update(grads, tx.init(grads))[0]
+
+    with pytest.raises(optclip.NonFiniteNormError, match=MESSAGE):
+        jax.block_until_ready(step(BAD))
+    np.testing.assert_allclose(step(GOOD)["w"], [3 / 13, 4 / 13], rtol=1e-6)
+    batched = jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g))[0]))
+    grads = jax.tree.map(lambda x: jnp.stack([x, x]), GOOD)
+    grads["w"] = grads["w"].at[1, 0].set(np.nan)
+    with pytest.raises(optclip.NonFiniteNormError, match=r"leaves with NaN or inf: `\['w'\]`"):
+        with optclip.reraise_errors():
+            jax.block_until_ready(batched(grads))
+
+
+def test_reraise_errors_lets_everything_else_through(caplog):
+    def failing(x):
+        raise KeyError("not optclip's")
+
+    @jax.jit
+    def step(x):
+        jax.debug.callback(failing, x)
+        return x
+
+    with pytest.raises(jax.errors.JaxRuntimeError, match="not optclip's"):
+        with optclip.reraise_errors():
+            jax.block_until_ready(step(jnp.ones(2)))
+    assert "jax.debug.callback failed" in caplog.text  # JAX's own report is kept
+    with pytest.raises(ValueError, match="eager"):
+        with optclip.reraise_errors():
+            raise ValueError("eager")
+
+
 def test_the_norm_itself_overflowing_is_reported_too():
     tx = optclip.global_clip(1.0, nonfinite="raise")
     big = {"w": jnp.full((4,), 3e38, jnp.float32)}

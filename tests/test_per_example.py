@@ -1,5 +1,6 @@
 """Per-example clipping (DP-SGD) against a float64 reference, optax, and vmap of the global clip."""
 
+import functools
 import math
 
 import jax
@@ -22,22 +23,27 @@ B = 5
 SHAPES = {"w": (3, 4), "b": (4,), "out": (2,)}
 
 # Shared jitted functions: tests that use the same shapes share one compilation (the suite
-# stays fast on a small machine).
-CLIP = jax.jit(optclip.per_example_clip, static_argnames=("nonfinite",))
-LAYER = jax.jit(optclip.per_example_layer_clip, static_argnames=("uniform", "nonfinite"))
+# stays fast on a small machine). They return the norms too: (summed, num_clipped, norms).
+CLIP = jax.jit(
+    functools.partial(optclip.per_example_clip, return_norms=True), static_argnames=("nonfinite",)
+)
+LAYER = jax.jit(
+    functools.partial(optclip.per_example_layer_clip, return_norms=True),
+    static_argnames=("uniform", "nonfinite"),
+)
 OPTAX_CLIP = jax.jit(optax.per_example_global_norm_clip)
 OPTAX_LAYER = jax.jit(optax.per_example_layer_norm_clip, static_argnames=("uniform",))
 
 
 def clip_fn(mode, **kwargs):
     if mode == "eager":
-        return lambda g, c: optclip.per_example_clip(g, c, **kwargs)
+        return lambda g, c: optclip.per_example_clip(g, c, return_norms=True, **kwargs)
     return lambda g, c: CLIP(g, c, **kwargs)
 
 
 def layer_fn(mode, **kwargs):
     if mode == "eager":
-        return lambda g, c: optclip.per_example_layer_clip(g, c, **kwargs)
+        return lambda g, c: optclip.per_example_layer_clip(g, c, return_norms=True, **kwargs)
     return lambda g, c: LAYER(g, c, **kwargs)
 
 
@@ -112,7 +118,7 @@ def assert_sum_close(actual, expected, dtype):
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_per_example_clip_matches_reference(dtype, mode):
     tree = batch(dtype)
-    summed, norms, num_clipped = clip_fn(mode)(tree, 1.0)
+    summed, num_clipped, norms = clip_fn(mode)(tree, 1.0)
     ref_summed, ref_norms, ref_count = ref_per_example_clip(tree, 1.0)
     assert 0 < ref_count < B  # some examples clipped, some not
     for k in tree:
@@ -127,7 +133,7 @@ def test_per_example_clip_matches_reference(dtype, mode):
 @pytest.mark.parametrize("dtype, mode", [(d, "jit") for d in FLOATS] + [(jnp.float32, "eager")])
 def test_per_example_layer_clip_matches_reference(dtype, mode):
     tree = batch(dtype, seed=1)
-    summed, norms, counts = layer_fn(mode)(tree, 2.0)
+    summed, counts, norms = layer_fn(mode)(tree, 2.0)
     ref_summed, ref_norms, ref_counts = ref_per_example_layer_clip(tree, 2.0, True)
     for k in tree:
         assert_sum_close(summed[k], ref_summed[k], dtype)
@@ -149,7 +155,7 @@ def optax_per_example(leaves):
 def test_huge_example_is_clipped_where_optax_drops_it():
     tree = batch(jnp.float32, seed=12)
     tree["w"] = tree["w"].at[1].set(1e20)  # example 1: norm sqrt(12) * 1e20
-    summed, norms, num_clipped = CLIP(tree, 1.0)
+    summed, num_clipped, norms = CLIP(tree, 1.0)
     ref_summed, ref_norms, ref_count = ref_per_example_clip(tree, 1.0)
     for k in tree:
         assert_close(summed[k], ref_summed[k], jnp.float32, factor=2.0)
@@ -168,7 +174,7 @@ def test_huge_example_is_clipped_where_optax_drops_it():
 def test_float16_squares_overflow_is_clipped_where_optax_drops_it():
     tree = batch(jnp.float16, spread=False)
     tree["w"] = tree["w"].at[0].set(3000.0)  # squares overflow float16 (max 65504)
-    summed, norms, _ = CLIP(tree, 1.0)
+    summed, _, norms = CLIP(tree, 1.0)
     ref_summed, ref_norms, _ = ref_per_example_clip(tree, 1.0)
     for k in tree:
         assert_sum_close(summed[k], ref_summed[k], jnp.float16)
@@ -188,7 +194,7 @@ def test_layer_clip_huge_and_tiny_values():
     tree = batch(jnp.float32, seed=13)
     tree["w"] = tree["w"].at[0].set(1e20)
     tree["b"] = tree["b"].at[0].set(1e-30)  # squares underflow: the fallback rescales them
-    summed, norms, counts = LAYER(tree, 2.0)
+    summed, counts, norms = LAYER(tree, 2.0)
     ref_summed, ref_norms, ref_counts = ref_per_example_layer_clip(tree, 2.0, True)
     for k in tree:
         assert_close(summed[k], ref_summed[k], jnp.float32, factor=2.0)
@@ -211,7 +217,7 @@ def test_bfloat16_sum_accumulated_in_float32():
 @pytest.mark.parametrize("threshold", [0.1, 1.0, 1e3, 0.0, np.inf])
 def test_equals_optax_on_moderate_float32(threshold):
     tree = batch(jnp.float32, seed=2)
-    summed, _, num_clipped = CLIP(tree, threshold)
+    summed, num_clipped, _ = CLIP(tree, threshold)
     ref_summed, ref_count = OPTAX_CLIP(list(tree.values()), threshold)
     for k, b in zip(tree, ref_summed):  # optax takes a list of arrays
         np.testing.assert_allclose(summed[k], b, rtol=2e-6, atol=1e-7)
@@ -221,7 +227,7 @@ def test_equals_optax_on_moderate_float32(threshold):
 @pytest.mark.parametrize("uniform", [True, False])
 def test_layer_clip_equals_optax_on_moderate_float32(uniform):
     tree = batch(jnp.float32, seed=3)
-    summed, _, counts = LAYER(tree, 1.5, uniform=uniform)
+    summed, counts, _ = LAYER(tree, 1.5, uniform=uniform)
     ref_summed, ref_counts = OPTAX_LAYER(list(tree.values()), 1.5, uniform=uniform)
     for k, b, n in zip(tree, ref_summed, ref_counts):
         np.testing.assert_allclose(summed[k], b, rtol=2e-6, atol=1e-7)
@@ -251,7 +257,7 @@ def test_zero_gradients_stay_zero():
         tree = jax.tree.map(jnp.zeros_like, batch(dtype))
         for threshold in (0.0, -1.0, 1.0):
             for fn in (CLIP, LAYER):
-                summed, norms, counts = fn(tree, threshold)
+                summed, counts, norms = fn(tree, threshold)
                 for k in tree:
                     assert summed[k].dtype == dtype
                     np.testing.assert_array_equal(as_f64(summed[k]), 0.0)
@@ -263,11 +269,11 @@ def test_zero_gradients_stay_zero():
 def test_zero_or_negative_threshold_gives_zero():
     tree = batch(jnp.float32, seed=6)
     for threshold in (0.0, -2.5):
-        summed, _, num_clipped = CLIP(tree, threshold)
+        summed, num_clipped, _ = CLIP(tree, threshold)
         for k in tree:
             np.testing.assert_array_equal(summed[k], 0.0)
         assert int(num_clipped) == B
-        summed, _, counts = LAYER(tree, threshold)
+        summed, counts, _ = LAYER(tree, threshold)
         for k in tree:
             np.testing.assert_array_equal(summed[k], 0.0)
             assert int(counts[k]) == B
@@ -313,12 +319,12 @@ def test_gradient_is_finite(fn):
 def test_nonfinite_example_propagates_or_is_dropped(bad, mode):
     tree = batch(jnp.float32, seed=9)
     tree["b"] = tree["b"].at[2, 0].set(bad)
-    summed, norms, num_clipped = clip_fn(mode)(tree, 1.0)
+    summed, num_clipped, norms = clip_fn(mode)(tree, 1.0)
     for k in tree:
         assert np.all(np.isnan(summed[k]))
     assert not np.isfinite(norms[2]) and np.all(np.isfinite(np.delete(norms, 2)))
 
-    summed, norms, num_clipped = clip_fn(mode, nonfinite="zero")(tree, 1.0)
+    summed, num_clipped, norms = clip_fn(mode, nonfinite="zero")(tree, 1.0)
     kept = {k: np.delete(np.asarray(x), 2, axis=0) for k, x in tree.items()}
     ref_summed, _, ref_count = ref_per_example_clip(kept, 1.0)
     for k in tree:
@@ -331,7 +337,7 @@ def test_layer_nonfinite_example(policy):
     tree = batch(jnp.float32, seed=10)
     tree["out"] = tree["out"].at[1, 1].set(np.inf)
     kwargs = {} if policy == "propagate" else {"nonfinite": policy}  # one compilation each
-    summed, norms, counts = LAYER(tree, 1.0, **kwargs)
+    summed, counts, norms = LAYER(tree, 1.0, **kwargs)
     assert not np.isfinite(norms["out"][1]) and np.isfinite(norms["w"][1])
     if policy == "propagate":  # every leaf NaN, not just the one that blew up
         for k in tree:
@@ -359,27 +365,29 @@ def test_none_and_masked_leaves_are_kept():
     grads = batch(jnp.float32, seed=14)
     tree = {"a": None, "m": optax.MaskedNode(), **grads}
     for fn in (optclip.per_example_clip, optclip.per_example_layer_clip):
-        summed, norms, counts = fn(tree, 1.0)
-        expected = fn(grads, 1.0)
+        summed, counts, norms = fn(tree, 1.0, return_norms=True)
+        expected = fn(grads, 1.0, return_norms=True)
         assert summed["a"] is None and isinstance(summed["m"], optax.MaskedNode)
-        for got, want in zip(jax.tree.leaves((summed, norms, counts)), jax.tree.leaves(expected)):
+        for got, want in zip(jax.tree.leaves((summed, counts, norms)), jax.tree.leaves(expected)):
             np.testing.assert_array_equal(got, want)
-    _, norms, counts = optclip.per_example_layer_clip(tree, 1.0)
+    _, counts, norms = optclip.per_example_layer_clip(tree, 1.0, return_norms=True)
     assert norms["a"] is None and isinstance(counts["m"], optax.MaskedNode)
 
 
 def test_complex_leaves_use_squared_modulus():
     z = jnp.array([[3 + 4j], [0.3 + 0.4j]], jnp.complex64)
-    summed, norms, num_clipped = CLIP(z, 1.0)
+    summed, num_clipped, norms = CLIP(z, 1.0)
     assert summed.dtype == jnp.complex64
     np.testing.assert_allclose(summed, [0.9 + 1.2j], rtol=1e-6)
     np.testing.assert_allclose(norms, [5.0, 0.5], rtol=1e-6)
 
 
 def test_empty_tree():
-    summed, norms, num_clipped = optclip.per_example_clip({}, 1.0)
+    summed, num_clipped, norms = optclip.per_example_clip({}, 1.0, return_norms=True)
     assert summed == {} and norms.shape == (0,) and int(num_clipped) == 0
-    assert optclip.per_example_layer_clip({}, 1.0) == ({}, {}, {})
+    assert len(optclip.per_example_clip({}, 1.0)) == 2
+    assert optclip.per_example_layer_clip({}, 1.0) == ({}, {})
+    assert optclip.per_example_layer_clip({}, 1.0, return_norms=True) == ({}, {}, {})
 
 
 def test_no_clipped_copy_of_the_batch_is_made():
@@ -414,9 +422,41 @@ def test_errors(fn):
         fn(jnp.ones((2, 3)), float("nan"))
 
 
-def test_uniform_must_be_a_bool():
-    with pytest.raises(TypeError, match=r"`uniform` must be a bool, got ArrayImpl"):
+def test_switches_must_be_python_bools():
+    with pytest.raises(TypeError, match=r"`uniform` must be a Python bool, got ArrayImpl"):
         optclip.per_example_layer_clip(jnp.ones((2, 3)), 1.0, uniform=jnp.array(True))
+    with pytest.raises(TypeError, match=r"`return_norms` must be a Python bool, got int: 1"):
+        optclip.per_example_clip(jnp.ones((2, 3)), 1.0, return_norms=1)
+
+
+def test_traced_switch_says_to_make_it_static():
+    """Under `jax.jit` a bool argument is traced: the error says how to make it static."""
+    expected = (
+        r"`uniform` decides the structure of the computation, so it must be a Python bool when "
+        r"the function is traced; got a traced value \(DynamicJaxprTracer\)\. Make it a static "
+        r"argument: `jax.jit\(f, static_argnames=\('uniform',\)\)`"
+    )
+    with pytest.raises(TypeError, match=expected):
+        jax.jit(optclip.per_example_layer_clip)(jnp.ones((2, 3)), 1.0, uniform=False)
+    with pytest.raises(TypeError, match=r"static_argnames=\('return_norms',\)"):
+        jax.jit(optclip.per_example_clip)(jnp.ones((2, 3)), 1.0, return_norms=True)
+
+
+def test_drop_in_for_optax_two_values_and_positional_uniform():
+    """Swapping optax's functions for optclip's keeps every call and unpacking working."""
+    grads = [jnp.array([[0.0, 3.0, 4.0], [4.0, 0.0, 3.0]]), jnp.array([[1.0], [2.0]])]
+    for ours, theirs, args in (
+        (optclip.per_example_clip, optax.per_example_global_norm_clip, (1.25,)),
+        (optclip.per_example_layer_clip, optax.per_example_layer_norm_clip, (1.25, False)),
+    ):
+        summed, num_clipped = ours(grads, *args)
+        ref_summed, ref_num_clipped = theirs(grads, *args)
+        assert jax.tree.structure(summed) == jax.tree.structure(ref_summed)
+        assert jax.tree.structure(num_clipped) == jax.tree.structure(ref_num_clipped)
+        for got, want in zip(jax.tree.leaves(summed), jax.tree.leaves(ref_summed)):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        for got, want in zip(jax.tree.leaves(num_clipped), jax.tree.leaves(ref_num_clipped)):
+            assert int(got) == int(want)
 
 
 # Property: every example, clipped, is within the threshold and keeps its direction ----------

@@ -1,5 +1,8 @@
 """The Optax transformations: the contract over dtypes, state, and composition with Optax."""
 
+import copy
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -341,15 +344,43 @@ def test_value_clip_open_bounds(mode):
     upper = apply(optclip.value_clip(None, 1.0))
     np.testing.assert_array_equal(upper["f"], [-3.0, 0.5, 1.0])
     np.testing.assert_array_equal(upper["i"], [-5, 1, 1])
-    lower = apply(optclip.value_clip(0.0, float("inf")))  # the documented lower-bound-only form
-    np.testing.assert_array_equal(lower["f"], [0.0, 0.5, 2.0])
-    np.testing.assert_array_equal(lower["i"], [0, 1, 9])
-    assert lower["i"].dtype == jnp.int32
-    symmetric = apply(optclip.value_clip(1.0, None))  # still [-v, v]
+    for lower in (
+        apply(optclip.value_clip(0.0, None)),  # an explicit None is an open bound
+        apply(optclip.value_clip(0.0, clip_value_max=None)),
+        apply(optclip.value_clip(0.0, float("inf"))),  # (an infinite bound too)
+    ):
+        np.testing.assert_array_equal(lower["f"], [0.0, 0.5, 2.0])
+        np.testing.assert_array_equal(lower["i"], [0, 1, 9])
+        assert lower["i"].dtype == jnp.int32
+    symmetric = apply(optclip.value_clip(1.0))  # only the one-argument form is [-v, v]
     np.testing.assert_array_equal(symmetric["f"], [-1.0, 0.5, 1.0])
-    nothing = apply(optclip.value_clip(None))
-    for key in tree:
-        np.testing.assert_array_equal(nothing[key], tree[key])
+    np.testing.assert_array_equal(symmetric["i"], [-1, 1, 1])
+    for nothing in (apply(optclip.value_clip(None)), apply(optclip.value_clip(None, None))):
+        for key in tree:
+            np.testing.assert_array_equal(nothing[key], tree[key])
+
+
+def test_value_clip_ports_optax_tree_clip_unchanged():
+    """`optax.tree.clip(t, lo, hi)` and `clip_by_value(t, lo, hi)` mean the same bounds as the
+    transformation with the same two arguments: None is an open bound in all three."""
+    tree = {"a": jnp.array([-3.0, 0.5, 2.0, 5.0])}
+    for lo, hi in ((2.0, None), (None, 0.5), (-1.0, 1.0), (None, None)):
+        tx = optclip.value_clip(lo, hi)
+        got = tx.update(tree, tx.init(tree))[0]
+        np.testing.assert_array_equal(got["a"], optax.tree.clip(tree, lo, hi)["a"])
+        np.testing.assert_array_equal(got["a"], optclip.clip_by_value(tree, lo, hi)["a"])
+
+
+def test_value_clip_under_inject_hyperparams_keeps_the_one_argument_form():
+    opt = optax.inject_hyperparams(optclip.value_clip)(1.0)
+    g = jnp.array([-3.0, 0.5, 2.0])
+    np.testing.assert_array_equal(jax.jit(opt.update)(g, opt.init(g))[0], [-1.0, 0.5, 1.0])
+    opt = optax.inject_hyperparams(optclip.value_clip)(0.0, None)
+    np.testing.assert_array_equal(jax.jit(opt.update)(g, opt.init(g))[0], [0.0, 0.5, 2.0])
+    # The "not given" default survives a copy (wrappers that deep-copy their arguments).
+    default = inspect.signature(optclip.value_clip).parameters["clip_value_max"].default
+    tx = optclip.value_clip(1.0, copy.deepcopy(default))
+    np.testing.assert_array_equal(tx.update(g, tx.init(g))[0], [-1.0, 0.5, 1.0])
 
 
 # NaN thresholds -------------------------------------------------------------------------------
@@ -439,5 +470,7 @@ def test_clipped_non_positive_traced_or_scheduled_threshold_turns_the_clip_off(a
 
 def test_transforms_keep_tensorflow_semantics_for_a_zero_threshold(mode):
     g = jnp.array([3.0, 4.0])
-    for tx in (optclip.norm_clip(0.0), optclip.global_clip(-1.0), optclip.value_clip(0.0)):
+    with pytest.warns(UserWarning, match="zeroes every update"):  # (the warning: test_checks)
+        norm_clip, global_clip = optclip.norm_clip(0.0), optclip.global_clip(-1.0)
+    for tx in (norm_clip, global_clip, optclip.value_clip(0.0)):
         np.testing.assert_array_equal(run(tx.update, mode)(g, tx.init(g))[0], [0.0, 0.0])

@@ -9,8 +9,11 @@ from optclip._agc import AGCState as AGCState
 from optclip._agc import agc as agc
 from optclip._autoclip import AutoClipState as AutoClipState
 from optclip._autoclip import autoclip as autoclip
+from optclip._axes import AxisNameError as AxisNameError
+from optclip._axes import check_split as check_split
 from optclip._clipped import ClippedState as ClippedState
 from optclip._clipped import clipped as clipped
+from optclip._errors import reraise_errors as reraise_errors
 from optclip._functional import clip_by_average_norm as clip_by_average_norm
 from optclip._functional import clip_by_block_rms as clip_by_block_rms
 from optclip._functional import clip_by_global_norm as clip_by_global_norm
@@ -37,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AGCState",
     "AutoClipState",
+    "AxisNameError",
     "ClippedState",
     "GlobalClipState",
     "GroupNorms",
@@ -46,6 +50,7 @@ __all__ = [
     "agc",
     "autoclip",
     "average_norm_clip",
+    "check_split",
     "block_rms_clip",
     "clip_by_average_norm",
     "clip_by_block_rms",
@@ -59,6 +64,7 @@ __all__ = [
     "norm_clip",
     "per_example_clip",
     "per_example_layer_clip",
+    "reraise_errors",
     "value_clip",
     "zclip",
 ]

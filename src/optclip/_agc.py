@@ -4,12 +4,10 @@ its parameter's norm, with the unit norms all-reduced where a unit is split over
 from __future__ import annotations
 
 import math
-import numbers
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec
@@ -35,7 +33,7 @@ def _unit_axes(shape: tuple, axis, path) -> tuple:
     """
     ndim = len(shape)
     if axis is not None:
-        return _checks.normalize_axes(axis, path, ndim)
+        return _checks.normalize_axes(axis, path, ndim, "axis")
     if sum(d != 1 for d in shape) <= 1:
         return tuple(range(ndim))
     if ndim in (2, 3):
@@ -134,7 +132,11 @@ def agc(
     Raises:
       ValueError: a concrete negative or NaN `clipping` or `eps`, or one that is not 0-d; at
         update, ``params=None``, params that do not match the updates, or `axis` out of range.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+      TypeError: `axis` is not None, an int or ints; `axis_name` is not one of the accepted
+        forms; at update, an integer or boolean leaf (the message names its path).
+
+    Warns:
+      UserWarning: a concrete ``clipping=0``, which zeroes every update.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -154,14 +156,14 @@ def agc(
     """
     _checks.check_number(clipping, "clipping", "a number >= 0", lambda v: v >= 0)
     _checks.check_number(eps, "eps", "a number >= 0", lambda v: v >= 0)
-    if axis is not None and not _checks.is_traced(axis):
-        items = [axis] if isinstance(axis, (numbers.Integral, np.integer)) else axis
-        try:
-            ok = all(isinstance(a, (numbers.Integral, np.integer)) for a in items)
-        except TypeError:
-            ok = False
-        if not ok or isinstance(axis, bool):
-            raise TypeError(f"`axis` must be None, an int or a sequence of ints, got {axis!r}.")
+    axis = _checks.check_axes(axis, "axis")
+    _axes.check_axis_name(axis_name)
+    _checks.warn_if_nonpositive(
+        clipping,
+        f"agc(clipping={clipping!r})",
+        "If you meant no clipping, leave the clip out.",
+        "each unit's update is limited to `clipping` times its parameter's norm.",
+    )
 
     group_norms = _groups.check_spec(group_norms)
 

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
 
 
@@ -87,8 +87,8 @@ def autoclip(
     Raises:
       ValueError: `percentile` outside [0, 100] or not 0-d; `history` not an int >= 1; unknown
         `nonfinite`.
-      TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); at update, an
-        integer or boolean leaf.
+      TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); `axis_name` is not
+        one of the accepted forms; at update, an integer or boolean leaf.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -105,6 +105,7 @@ def autoclip(
     """
     _checks.check_number(percentile, "percentile", "a number in [0, 100]", lambda v: 0 <= v <= 100)
     _checks.check_count(history, "history", static=True)
+    _axes.check_axis_name(axis_name)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
     size = int(history)

@@ -20,12 +20,20 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optclip import _checks
+from optclip import _checks, _errors, _norm_rules
 
 AUTO = "auto"
+
+
+class AxisNameError(ValueError):
+    """`axis_name` does not describe how the updates are split over the mesh axes: a leaf is
+    declared split over an axis it is replicated on (its norm would be counted once per
+    device), or not declared split over an axis it varies over."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,13 +81,41 @@ def varying_axes(x) -> frozenset:
 # ----------------------------------------------------------------------------------------------
 # `axis_name` -> the part that describes each leaf.
 
+_ACCEPTED = (
+    "None, 'auto', a mesh axis name (a str), a tuple of names, a PartitionSpec, or a pytree "
+    "of PartitionSpecs / names / None matching the updates (such as shard_map's `in_specs`)"
+)
 
-def _is_spec_leaf(value) -> bool:
+
+def is_axis_spec(value) -> bool:
+    """What describes one leaf (or a subtree) in `axis_name`: None, a mesh axis name, a
+    non-empty tuple of names, or a `PartitionSpec`."""
     return (
         value is None
         or isinstance(value, (str, PartitionSpec))
         or (isinstance(value, tuple) and all(isinstance(v, str) for v in value) and value != ())
     )
+
+
+def _spec_entry_ok(entry) -> bool:
+    if entry is None or entry is PartitionSpec.UNCONSTRAINED or isinstance(entry, str):
+        return True
+    return isinstance(entry, tuple) and all(isinstance(e, str) for e in entry)
+
+
+def check_axis_name(axis_name):
+    """`axis_name`'s type, checked when it is given (its match with the updates and the mesh is
+    checked where they are known); returned unchanged."""
+    for spec in jax.tree.leaves(axis_name, is_leaf=is_axis_spec):
+        bad = None
+        if not is_axis_spec(spec):
+            bad = spec
+        elif isinstance(spec, PartitionSpec):
+            bad = next((e for e in spec if not _spec_entry_ok(e)), None)
+        if bad is not None:
+            where = "" if bad is axis_name else f" (it holds {bad!r})"
+            raise TypeError(f"`axis_name` must be {_ACCEPTED}; got {axis_name!r}{where}.")
+    return axis_name
 
 
 def spec_axes(spec) -> tuple:
@@ -116,6 +152,7 @@ def is_auto(axis_name) -> bool:
 def leaf_specs(tree, axis_name) -> list:
     """For each leaf of `tree` (in order), the part of an explicit `axis_name` that describes
     it: None, a mesh axis name, a tuple of names or a `PartitionSpec`."""
+    check_axis_name(axis_name)
     n = len(jax.tree.leaves(tree))
     if axis_name is None:
         return [None] * n
@@ -128,7 +165,7 @@ def leaf_specs(tree, axis_name) -> list:
         return _LeafSpecs([spec] * len(jax.tree.leaves(subtree)))
 
     try:
-        per_leaf = jax.tree.map(per_subtree, axis_name, tree, is_leaf=_is_spec_leaf)
+        per_leaf = jax.tree.map(per_subtree, axis_name, tree, is_leaf=is_axis_spec)
     except (ValueError, TypeError) as error:
         raise ValueError(
             "`axis_name` must be a mesh axis name, a tuple of names, or a pytree of "
@@ -171,7 +208,7 @@ def check_declared(path, leaf, declared: tuple, what: str) -> None:
     varying = varying_axes(leaf)
     extra = tuple(a for a in declared if a not in varying)
     if extra:
-        raise ValueError(
+        raise AxisNameError(
             f"`axis_name` declares leaf `{_checks.leaf_name(path)}` split over "
             f"{', '.join(repr(a) for a in extra)}, but it does not vary over "
             f"{'that axis' if len(extra) == 1 else 'those axes'}: it is replicated there, and "
@@ -181,7 +218,7 @@ def check_declared(path, leaf, declared: tuple, what: str) -> None:
         )
     missing = tuple(sorted(varying - set(declared)))
     if missing:
-        raise ValueError(
+        raise AxisNameError(
             f"Leaf `{_checks.leaf_name(path)}` varies over mesh "
             f"{'axis' if len(missing) == 1 else 'axes'} {', '.join(repr(a) for a in missing)}, "
             "which `axis_name` does not declare for it: each device would clip by the norm of "
@@ -212,3 +249,114 @@ def leaf_axes(tree, axis_name, what: str) -> list[tuple]:
         for (path, leaf), declared in zip(paths_and_leaves, axes):
             check_declared(path, leaf, declared, what)
     return axes
+
+
+# ----------------------------------------------------------------------------------------------
+# The run-time check: are the leaves declared split really different on every device?
+
+
+def _fingerprint(x):
+    """Two numbers that differ between two different arrays of one shape (but by a
+    coincidence of float sums): ``sum |x|`` (0 only for zeros) and a sum weighted by a hash of
+    each element's position (so a permutation differs)."""
+    x = jnp.asarray(x)
+    parts = _norm_rules.real_parts(x) if jnp.issubdtype(x.dtype, jnp.inexact) else (x,)
+    acc = _norm_rules.accum_dtype(x.dtype)
+    v = jnp.concatenate([jnp.ravel(part).astype(acc) for part in parts])
+    index = lax.iota(jnp.uint32, v.size)
+    weight = ((index * jnp.uint32(2654435761)) >> jnp.uint32(8)).astype(acc) * acc.type(2**-24)
+    return jnp.stack([jnp.sum(jnp.abs(v)), jnp.sum(v * weight)]).astype(jnp.float32)
+
+
+def _replicated_report(names: list, pairs: list):
+    """The host side of `check_split`: raises `AxisNameError` for the flagged (leaf, axis)
+    pairs, through `_errors` (so that `reraise_errors` gives it back as itself)."""
+
+    def report(flags):
+        flags = np.asarray(flags).reshape(-1, len(pairs)).any(axis=0)  # (batched: any)
+        if not flags.any():
+            return  # (a batched `cond` runs this branch for every example)
+        flagged = [pair for pair, flag in zip(pairs, flags) if flag]
+        leaves = ", ".join(f"`{names[i]}` over {axis!r}" for i, axis in flagged)
+        _errors.raise_from_callback(
+            AxisNameError(
+                f"`axis_name` declares leaves split over mesh axes on which they are the same "
+                f"on every device: {leaves}. Such a leaf is replicated there (say, after "
+                "`lax.pmean`), and a norm would count it once per device (sqrt(n) times too "
+                "large over n devices). Declare it replicated: None for it in an `axis_name` "
+                "pytree, or `axis_name=None` if every leaf is."
+            )
+        )
+
+    return report
+
+
+def check_split(tree, axis_name) -> None:
+    r"""Checks, when the step runs, that the leaves `axis_name` declares split over mesh axes
+    differ between the devices: one declared split that is the same on every device is
+    replicated, and a norm would count it once per device.
+
+    Under ``pmap`` (and ``shard_map(check_vma=False)``) JAX does not track which axes a value
+    varies over, so ``axis_name`` is taken on trust: gradients averaged with ``lax.pmean``
+    (the same on every device) but declared split (``axis_name="i"``) get a global norm
+    :math:`\sqrt{n}` times too large over :math:`n` devices, and the clip is that much too
+    strong, silently. Call this once on the gradients and the same `axis_name`, inside the
+    ``pmap``, while setting the step up (or keep it: it costs two small all-reduces per axis).
+
+    Each leaf declared split over an axis (of more than one device) is reduced to a
+    fingerprint (the sum of its magnitudes and a position-weighted sum), whose largest and
+    smallest value over the axis are compared: equal and nonzero means the same on every
+    device. A leaf that is zero everywhere is never reported (counting zeros is harmless).
+    Inside ``shard_map`` with ``check_vma=True`` (its default) the same mistake is caught when
+    the step is traced, from JAX's tracking, and nothing runs.
+
+    Args:
+      tree: the gradients (or updates), as the clip will see them.
+      axis_name: what you pass the clip: a mesh axis name, a tuple of names, or a pytree of
+        ``PartitionSpec`` s / names (``None`` or ``P()`` for a replicated leaf).
+
+    Returns:
+      None. Under a transformation, a ``lax.cond`` on the comparison runs a host callback
+      that raises only when a leaf is found replicated; use :func:`reraise_errors` around the
+      step to receive it as :class:`AxisNameError`.
+
+    Raises:
+      AxisNameError: a leaf declared split over an axis is the same on every device of it.
+      ValueError: an axis of `axis_name` is not bound here, or it does not match `tree`.
+      TypeError: `axis_name` is not one of the accepted forms.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optclip
+      >>> def step(grads):
+      ...     grads = jax.lax.pmean(grads, "i")       # now the same on every device
+      ...     optclip.check_split(grads, "i")          # but declared split over "i"
+      ...     return optclip.global_norm(grads, axis_name="i")
+      >>> grads = jnp.arange(8.0).reshape(4, 2)      # 4 "devices" (a named vmap here)
+      >>> try:
+      ...     with optclip.reraise_errors():
+      ...         jax.vmap(step, axis_name="i")(grads)
+      ... except optclip.AxisNameError as error:
+      ...     print(str(error)[:76])
+      `axis_name` declares leaves split over mesh axes on which they are the same
+    """
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in paths_and_leaves:
+        _checks.check_array_leaf(path, leaf, "`check_split`")
+    declared = leaf_axes(tree, axis_name, "a norm")  # bound, and the tracked split if known
+    if tracks_variation():
+        return  # inside shard_map the checks above were exact
+    pairs, flags = [], []
+    for axis in sorted({a for axes in declared for a in axes}):
+        if lax.axis_size(axis) == 1:
+            continue
+        split = [i for i, axes in enumerate(declared) if axis in axes]
+        prints = jnp.stack([_fingerprint(paths_and_leaves[i][1]) for i in split])
+        same = jnp.all(lax.pmax(prints, axis) == lax.pmin(prints, axis), axis=1)
+        flags.append(same & (prints[:, 0] > 0) & jnp.all(jnp.isfinite(prints), axis=1))
+        pairs += [(i, axis) for i in split]
+    if not pairs:
+        return
+    flagged = jnp.concatenate(flags)
+    names = [_checks.leaf_name(path) for path, _ in paths_and_leaves]
+    report = _replicated_report(names, pairs)
+    lax.cond(jnp.any(flagged), lambda: jax.debug.callback(report, flagged), lambda: None)

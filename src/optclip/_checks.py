@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+import sys
+import warnings
 from collections.abc import Sequence
 
 import jax
@@ -18,6 +21,20 @@ import numpy as np
 ORD_ACCEPTED = "1, 2, inf (float('inf') or numpy.inf) or any number p > 0"
 THRESHOLD_ACCEPTED = "a threshold is a number (negative means zero, inf means no clipping)"
 BOUND_ACCEPTED = "a bound is a number or an array of numbers (None or inf for no bound)"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+class _NotGiven:
+    """The default of an argument whose absence means something other than ``None``."""
+
+    def __repr__(self) -> str:
+        return "<not given>"
+
+    def __reduce__(self) -> str:
+        return "NOT_GIVEN"  # copies and pickles are the one instance (compared with `is`)
+
+
+NOT_GIVEN = _NotGiven()
 
 
 def is_traced(value) -> bool:
@@ -56,6 +73,7 @@ def check_scalar(value, name: str, *, allow_nan: bool = False):
     shape = _shape_of(value)
     if shape != ():
         raise ValueError(f"`{name}` must be a scalar, got an array of shape {shape}.")
+    _check_int_range(value, name)
     dtype = jnp.result_type(value)
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)):
         raise TypeError(f"`{name}` must be a real number, got dtype {dtype}.")
@@ -64,12 +82,62 @@ def check_scalar(value, name: str, *, allow_nan: bool = False):
     return value
 
 
+def _check_int_range(value, name: str) -> None:
+    """A Python int must be a number some float dtype can hold (it is converted through
+    float64, see `as_array`): `2**40` is fine, `10**400` is not."""
+    if isinstance(value, numbers.Integral) and not isinstance(value, np.integer):
+        try:
+            float(value)
+        except OverflowError:
+            raise ValueError(
+                f"`{name}` is too large for any float dtype: got an int of "
+                f"{len(str(abs(int(value))))} digits."
+            ) from None
+
+
+def as_array(value, dtype):
+    """A checked number or array of numbers as a JAX array of `dtype`.
+
+    Concrete integers are converted on the host, exactly: to a float dtype through float64 (a
+    Python or NumPy int beyond int32 is the number it says, where JAX would raise
+    `OverflowError` or, for a NumPy int64 without x64, silently wrap around), to an integer
+    dtype saturated at its range. Traced values and JAX arrays are cast by JAX.
+    """
+    dtype = jnp.dtype(dtype)
+    if isinstance(value, jax.Array):
+        return value.astype(dtype)
+    into_int = jnp.issubdtype(dtype, jnp.integer)
+    if isinstance(value, numbers.Integral) and not isinstance(value, (np.integer, bool)):
+        if into_int:
+            info = jnp.iinfo(dtype)
+            value = min(max(int(value), int(info.min)), int(info.max))
+        else:
+            value = float(value)
+    known = np.asarray(value)
+    if np.issubdtype(known.dtype, np.integer):
+        if into_int:
+            ours, theirs = jnp.iinfo(dtype), np.iinfo(known.dtype)
+            lo, hi = max(int(ours.min), int(theirs.min)), min(int(ours.max), int(theirs.max))
+            known = np.clip(known, lo, hi)
+        else:
+            known = known.astype(np.float64)
+    with np.errstate(over="ignore"):  # a float64 beyond the target's range is inf there
+        return jnp.asarray(known.astype(dtype))
+
+
 def check_bool(value, name: str) -> bool:
     """A switch that decides the program (Python control flow): a Python or NumPy bool, never
     an array that could be traced."""
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"`{name}` must be a bool, got {type(value).__name__}: {value!r}.")
-    return bool(value)
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if is_traced(value):
+        raise TypeError(
+            f"`{name}` decides the structure of the computation, so it must be a Python bool "
+            f"when the function is traced; got a traced value ({type(value).__name__}). Make it "
+            f"a static argument: `jax.jit(f, static_argnames=('{name}',))` (with "
+            f"`optax.inject_hyperparams`, `static_args=('{name}',)`)."
+        )
+    raise TypeError(f"`{name}` must be a Python bool, got {type(value).__name__}: {value!r}.")
 
 
 def check_not_nan(value, name: str, accepted: str) -> None:
@@ -134,8 +202,24 @@ def leaf_name(path) -> str:
     return text if text else "<array>"
 
 
+def check_array_leaf(path, leaf, what: str) -> None:
+    """A leaf must be an array or a number: anything else (a str, an object) is named as what
+    it is, not read as a dtype (``jnp.result_type("int32")`` is int32)."""
+    if isinstance(leaf, (numbers.Number, np.ndarray, np.generic, jax.Array)) or hasattr(
+        leaf, "__jax_array__"
+    ):
+        return
+    text = repr(leaf)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    raise TypeError(
+        f"{what} needs arrays or numbers as leaves; leaf `{leaf_name(path)}` is a "
+        f"{type(leaf).__name__}: {text}."
+    )
+
+
 def check_float_leaf(path, leaf, what: str) -> None:
     """Norm modes need floating-point or complex leaves."""
+    check_array_leaf(path, leaf, what)
     dtype = jnp.result_type(leaf)
     if not (jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.complexfloating)):
         raise TypeError(
@@ -144,31 +228,54 @@ def check_float_leaf(path, leaf, what: str) -> None:
         )
 
 
-def normalize_axes(axes, path, ndim: int) -> tuple[int, ...]:
-    """`axes` (an int or a sequence of ints, negatives from the end) as sorted non-negative ints."""
-    if is_traced(axes):
+def _is_int(value) -> bool:
+    """A Python or NumPy int, or a concrete 0-d integer array; not a bool."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (np.ndarray, jax.Array)):
+        return value.ndim == 0 and jnp.issubdtype(value.dtype, jnp.integer)
+    return isinstance(value, (numbers.Integral, np.integer))
+
+
+def check_axes(axes, name: str = "axes"):
+    """Array axes: None, an int or a sequence of ints (negative from the end), as a tuple of
+    Python ints (None stays None). Nothing is truncated: ``[0.5]``, ``["1"]``, ``True`` or a
+    float array are errors, and a traced value says to make it static."""
+    if axes is None:
+        return None
+    traced = is_traced(axes) or (
+        isinstance(axes, (list, tuple)) and any(is_traced(a) for a in axes)
+    )
+    if traced:
         raise TypeError(
-            "`axes` must be static Python ints, got a traced value (with "
-            "`optax.inject_hyperparams`, pass `static_args=('axes',)`)."
+            f"`{name}` must be static Python ints, got a traced value (with "
+            f"`optax.inject_hyperparams`, pass `static_args=('{name}',)`; with `jax.jit`, "
+            f"`static_argnames=('{name}',)`)."
         )
-    if isinstance(axes, (numbers.Integral, np.integer)) or (
-        isinstance(axes, (np.ndarray, jax.Array)) and np.ndim(axes) == 0
-    ):
-        axes = (axes,)
+    if _is_int(axes):
+        return (int(axes),)
     try:
-        items = [int(a) for a in axes]
+        items = None if isinstance(axes, (str, bytes)) else list(axes)
     except TypeError:
-        raise TypeError(f"`axes` must be an int or a sequence of ints, got {axes!r}.") from None
+        items = None
+    if items is None or not all(_is_int(a) for a in items):
+        raise TypeError(f"`{name}` must be None, an int or a sequence of ints, got {axes!r}.")
+    return tuple(int(a) for a in items)
+
+
+def normalize_axes(axes: tuple, path, ndim: int, name: str = "axes") -> tuple[int, ...]:
+    """Axes checked by `check_axes` as sorted non-negative ints for a leaf of `ndim`
+    dimensions (negatives count from the end)."""
     out = []
-    for a in items:
+    for a in axes:
         if not -ndim <= a < ndim:
             raise ValueError(
-                f"`axes` {tuple(items)} is out of range for leaf `{leaf_name(path)}` "
+                f"`{name}` {tuple(axes)} is out of range for leaf `{leaf_name(path)}` "
                 f"with {ndim} dimension(s)."
             )
         out.append(a % ndim)
     if len(set(out)) != len(out):
-        raise ValueError(f"`axes` {tuple(items)} repeats an axis for leaf `{leaf_name(path)}`.")
+        raise ValueError(f"`{name}` {tuple(axes)} repeats an axis for leaf `{leaf_name(path)}`.")
     return tuple(sorted(out))
 
 
@@ -182,6 +289,17 @@ def check_bounds(clip_value_min, clip_value_max) -> None:
             value, (numbers.Real, np.ndarray, np.generic, jax.Array)
         ):
             raise TypeError(f"`{name}` must be a real number, an array or None, got {value!r}.")
+        _check_int_range(value, name)
+        dtype = np.dtype(value.dtype) if hasattr(value, "dtype") else None
+        if dtype is not None and jnp.issubdtype(dtype, jnp.complexfloating):
+            raise TypeError(
+                f"`{name}` must be real: a complex bound has no order (its imaginary part would "
+                f"be dropped), got dtype {dtype}."
+            )
+        if dtype is not None and not (
+            jnp.issubdtype(dtype, jnp.floating) or jnp.issubdtype(dtype, jnp.integer)
+        ):
+            raise TypeError(f"`{name}` must be a real number or array, got dtype {dtype}.")
         check_not_nan(value, name, BOUND_ACCEPTED)
     if clip_value_min is None or clip_value_max is None:
         return
@@ -234,3 +352,30 @@ def check_count(value, name: str, static: bool) -> None:
         or int(known) < 1
     ):
         raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
+
+
+NONPOSITIVE_REASON = "a threshold <= 0 clips every gradient to zero (TensorFlow's rule)."
+
+
+def warn_if_nonpositive(value, call: str, instead: str, reason: str = NONPOSITIVE_REASON) -> None:
+    """Warns that a concrete threshold <= 0 given to a transformation zeroes every update.
+
+    `call` shows the argument (``"global_clip(max_norm=0.0)"``), `reason` why it zeroes the
+    update, `instead` what the user may have meant. Traced values and schedules are not looked
+    at (`clipped` never calls this: it follows Keras, where <= 0 turns clipping off).
+    """
+    if is_schedule(value):
+        return
+    known = concrete(value)
+    if known is None or known.shape != () or not np.issubdtype(known.dtype, np.number):
+        return
+    if not known <= 0:  # (NaN is an error elsewhere)
+        return
+    frame, level = sys._getframe(), 1
+    while frame.f_back is not None and frame.f_back.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"`{call}` zeroes every update: {reason} {instead}",
+        UserWarning,
+        stacklevel=level + 1,
+    )

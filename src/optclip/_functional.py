@@ -17,7 +17,7 @@ from optclip import _axes, _checks, _norm_rules, _norms
 
 def threshold_as(value, dtype):
     """A checked threshold as a 0-d array of `dtype`, negative values raised to zero."""
-    return jnp.maximum(jnp.asarray(value).astype(dtype), 0)
+    return jnp.maximum(_checks.as_array(value, dtype), 0)
 
 
 def clip_scale(norm, threshold):
@@ -64,13 +64,16 @@ def global_norm(tree, *, ord=2, axis_name=None):
       axis_name: inside ``shard_map`` or ``pmap``, the mesh axes the leaves are split over: a
         name, a tuple of names (every leaf), or a pytree of ``PartitionSpec`` s / names matching
         the tree or a prefix of it (``None`` or ``P()`` for a replicated leaf). Not needed under
-        ``jit`` with sharded arrays.
+        ``jit`` with sharded arrays. Under ``pmap`` it is taken on trust: a leaf that is the
+        same on every device (gradients after ``lax.pmean``) is replicated, and declared split
+        it is counted once per device; :func:`check_split` finds such a leaf.
 
     Returns:
       A 0-d float32 array (float64 if any leaf is float64 or complex128).
 
     Raises:
-      TypeError: a leaf is not floating-point or complex (the message names its path).
+      TypeError: a leaf is not floating-point or complex (the message names its path), or
+        ``axis_name`` is not one of the accepted forms.
       ValueError: ``ord`` is not one of the accepted values, or ``axis_name`` does not match.
 
     Examples:
@@ -109,7 +112,8 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     Raises:
       ValueError: concrete ``clip_value_min > clip_value_max``, a concrete NaN bound, or a bound
         that does not broadcast to a leaf (the message names the leaf).
-      TypeError: a boolean or complex leaf.
+      TypeError: a boolean or complex leaf, or a leaf that is not an array (a str, say); a
+        complex bound (it has no order).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -121,6 +125,7 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     _checks.check_bounds(clip_value_min, clip_value_max)
 
     def clip_leaf(path, x):
+        _checks.check_array_leaf(path, x, "`clip_by_value`")
         x = jnp.asarray(x)
         dtype = x.dtype
         if dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.complexfloating):
@@ -139,28 +144,31 @@ def _leaf_bound(bound, name, path, x, rounding):
     """`bound` checked against leaf `x` and cast to its dtype; None (no bound) stays None."""
     if bound is None:
         return None
-    bound = jnp.asarray(bound)
+    shape = np.shape(bound)
     try:
-        fits = np.broadcast_shapes(bound.shape, x.shape) == x.shape
+        fits = np.broadcast_shapes(shape, x.shape) == x.shape
     except ValueError:
         fits = False
     if not fits:
         raise ValueError(
-            f"`{name}` of shape {bound.shape} does not broadcast to leaf "
+            f"`{name}` of shape {shape} does not broadcast to leaf "
             f"`{_checks.leaf_name(path)}` of shape {x.shape}."
         )
     if jnp.issubdtype(x.dtype, jnp.integer):
-        return _integer_bound(bound, x.dtype, rounding)
-    return bound.astype(x.dtype)
+        if not jnp.issubdtype(jnp.result_type(bound), jnp.integer):
+            return _integer_bound(jnp.asarray(bound), x.dtype, rounding)
+        if isinstance(bound, jax.Array):  # saturated at the leaf's range, on the device
+            info, own = jnp.iinfo(x.dtype), jnp.iinfo(bound.dtype)
+            lo, hi = max(int(info.min), int(own.min)), min(int(info.max), int(own.max))
+            return jnp.clip(bound, lo, hi).astype(x.dtype)
+    # Concrete integers are converted on the host, exactly (saturated for an integer leaf).
+    return _checks.as_array(bound, x.dtype)
 
 
 def _integer_bound(bound, dtype, rounding):
-    """A bound for an integer leaf, in its dtype: float bounds rounded inwards (`rounding`),
-    every bound saturated to the dtype's range, so an infinite bound is no bound."""
+    """A float bound for an integer leaf, in its dtype: rounded inwards (`rounding`) and
+    saturated to the dtype's range, so an infinite bound is no bound."""
     info = jnp.iinfo(dtype)
-    if jnp.issubdtype(bound.dtype, jnp.integer):
-        own = jnp.iinfo(bound.dtype)
-        return jnp.clip(bound, max(info.min, own.min), min(info.max, own.max)).astype(dtype)
     bound = rounding(bound)
     # Compared, not clipped in floating point: float(info.max) may round up past the range.
     inside = jnp.where(bound <= float(info.min), jnp.array(info.min, dtype), bound.astype(dtype))
@@ -191,7 +199,8 @@ def clip_by_norm(tree, clip_norm, axes=None):
 
     Raises:
       ValueError: `clip_norm` is not 0-d or is NaN, or `axes` is out of range for a leaf.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer or boolean leaf (the message names its path); `axes` that are not
+        None, an int or ints (``[0.5]``, ``True`` or ``jnp.array(1.5)`` are not truncated).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip
@@ -203,6 +212,7 @@ def clip_by_norm(tree, clip_norm, axes=None):
        [0.3 0.4]]
     """
     _checks.check_scalar(clip_norm, "clip_norm")
+    axes = _checks.check_axes(axes)
 
     def clip_leaf(path, x):
         _checks.check_float_leaf(path, x, "clip_by_norm")

@@ -7,6 +7,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import optax
 from jax.tree_util import GetAttrKey
 
 from optclip._agc import AGCState
@@ -84,6 +85,22 @@ def _collect(states: tuple) -> tuple:
     return tuple(jnp.array(value()) for state in states for _, value in _fields(state))
 
 
+def _check_is_state(opt_state) -> None:
+    """`metrics` reads a state: not the optimizer (a transformation), nor a factory."""
+    if isinstance(opt_state, optax.GradientTransformation):
+        raise TypeError(
+            "`metrics` reads the optimizer *state*, got the optimizer (an "
+            "optax.GradientTransformation): pass `opt_state = optimizer.init(params)`, or the "
+            "state returned by `optimizer.update`."
+        )
+    if callable(opt_state) and not isinstance(opt_state, jax.Array):
+        name = getattr(opt_state, "__name__", None) or type(opt_state).__name__
+        raise TypeError(
+            f"`metrics` reads the optimizer *state*, got the callable `{name}`: build the "
+            "optimizer, then pass its state (`opt_state = optimizer.init(params)`)."
+        )
+
+
 def metrics(opt_state) -> dict:
     """Every optclip clip's state in `opt_state`, as a flat dict of arrays ready for a logger.
 
@@ -111,6 +128,9 @@ def metrics(opt_state) -> dict:
       A dict from names to 0-d arrays, in the order the clips appear in `opt_state`; empty if it
       holds no optclip state.
 
+    Raises:
+      TypeError: `opt_state` is an optimizer (a transformation) or a function, not a state.
+
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
       >>> opt = optax.chain(optclip.global_clip(1.0, group_norms="leaf"), optax.adam(1e-3))
@@ -129,6 +149,7 @@ def metrics(opt_state) -> dict:
       global_clip/group_norm/b 12.0
       global_clip/group_norm/w 5.0
     """
+    _check_is_state(opt_state)
     found = _find(opt_state)
     counts = collections.Counter(KINDS[type(state)] for _, state in found)
     prefixes = []

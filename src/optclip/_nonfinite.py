@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _checks, _functional
+from optclip import _axes, _checks, _errors, _functional
 
 
 class NonFiniteNormError(FloatingPointError):
@@ -20,21 +20,31 @@ def raise_if_nonfinite(norm, tree, what: str) -> None:
 
     Eager: at once, before anything is updated. Under `jit`: from a host callback that only runs
     on a non-finite step (a `lax.cond` on the norm), so the step's results are never delivered;
-    JAX re-raises it as its runtime error, with this message.
+    JAX re-raises it as its runtime error, with this message, and `optclip.reraise_errors`
+    turns that back into this error.
     """
     paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     names = [_checks.leaf_name(path) for path, _ in paths_and_leaves]
+    # Under shard_map/pmap each device sees its own pieces: the NaN may be in another's.
+    none = (
+        "none here (the norm itself overflowed, or the NaN or inf is on another device)"
+        if _axes.bound_axis_names()
+        else "none (the norm itself overflowed)"
+    )
+
+    def error(norm_value, finite_leaves):
+        bad = [name for name, ok in zip(names, finite_leaves) if not np.all(ok)]
+        return NonFiniteNormError(
+            f"`{what}`: the norm of the updates is {norm_value}, not finite; leaves with NaN or "
+            f"inf: {', '.join(f'`{b}`' for b in bad) or none}. "
+            "(`nonfinite='raise'`; 'propagate' makes the update NaN, 'zero' drops it.)"
+        )
 
     def report(norm_value, finite_leaves):
         norm_value = np.asarray(norm_value)
         if np.all(np.isfinite(norm_value)):
             return  # (a batched `cond` runs this branch for every example)
-        bad = [name for name, ok in zip(names, finite_leaves) if not np.all(ok)]
-        raise NonFiniteNormError(
-            f"`{what}`: the norm of the updates is {norm_value}, not finite; leaves with NaN or "
-            f"inf: {', '.join(f'`{b}`' for b in bad) or 'none (the norm itself overflowed)'}. "
-            "(`nonfinite='raise'`; 'propagate' makes the update NaN, 'zero' drops it.)"
-        )
+        _errors.raise_from_callback(error(norm_value, finite_leaves))
 
     def finite_leaves():
         return [jnp.all(jnp.isfinite(leaf)) for _, leaf in paths_and_leaves]
@@ -42,7 +52,7 @@ def raise_if_nonfinite(norm, tree, what: str) -> None:
     finite = jnp.all(jnp.isfinite(norm))
     if not _checks.is_traced(finite):
         if not bool(finite):
-            report(norm, [bool(ok) for ok in finite_leaves()])
+            raise error(np.asarray(norm), [bool(ok) for ok in finite_leaves()])
         return
     jax.lax.cond(finite, lambda: None, lambda: jax.debug.callback(report, norm, finite_leaves()))
 

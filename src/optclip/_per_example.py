@@ -159,7 +159,7 @@ def _count(over):
     return jnp.sum(over, dtype=jnp.int32)
 
 
-def per_example_clip(grads, max_norm, *, nonfinite="propagate"):
+def per_example_clip(grads, max_norm, *, nonfinite="propagate", return_norms=False):
     r"""Clips every example's gradient to a global L2 norm of at most `max_norm`, and sums them.
 
     .. math::
@@ -173,8 +173,10 @@ def per_example_clip(grads, max_norm, *, nonfinite="propagate"):
     computed without that per-example clipped copy: the per-example norms first, then one
     contraction over the batch axis per leaf with the scales.
 
-    Replaces ``optax.per_example_global_norm_clip``, with differences on purpose: any pytree
-    (optax takes a list of arrays), the norms are returned, the norm is accumulated in float32
+    A drop-in for ``optax.per_example_global_norm_clip``: the same arguments and the same
+    ``(summed, num_clipped)``, so ``summed, num_clipped = per_example_clip(grads, c)`` works
+    for both (the norms on request, ``return_norms=True``). Differences on purpose: any pytree
+    (optax takes a list of arrays), the norm is accumulated in float32
     for float16/bfloat16 and stays finite and correct when squares overflow (optax takes such an
     example, of values ``1e20``, or float16 values whose squares overflow float16, for one of
     infinite norm and drops it), a negative `max_norm` is treated as zero, the sum is
@@ -191,42 +193,53 @@ def per_example_clip(grads, max_norm, *, nonfinite="propagate"):
       nonfinite: what an example of non-finite norm does: ``"propagate"`` (default) makes every
         leaf of the sum NaN, as a non-finite global norm does in :func:`clip_by_global_norm`;
         ``"zero"`` leaves it out of the sum (it contributes nothing).
+      return_norms: also return the per-example norms (a third value).
 
     Returns:
-      ``(summed, norms, num_clipped)``: the sum over the batch of the clipped gradients (the
-      structure of `grads`, every leaf without its batch axis and in its own dtype), the
-      per-example norms before clipping (shape ``(B,)``, float32, float64 if any leaf is
-      float64 or complex128), and the number of examples of finite norm that were scaled down
-      (an int32 scalar; count the non-finite ones with ``jnp.sum(~jnp.isfinite(norms))``).
+      ``(summed, num_clipped)``, as optax: the sum over the batch of the clipped gradients (the
+      structure of `grads`, every leaf without its batch axis and in its own dtype) and the
+      number of examples of finite norm that were scaled down (an int32 scalar). With
+      ``return_norms=True``, ``(summed, num_clipped, norms)``: also the per-example norms
+      before clipping (shape ``(B,)``, float32, float64 if any leaf is float64 or complex128;
+      count the non-finite ones with ``jnp.sum(~jnp.isfinite(norms))``).
 
     Raises:
       ValueError: a leaf has no batch axis (0-d) or a batch size other than the first leaf's
         (the message names both), `max_norm` is not 0-d or is NaN, or `nonfinite` is unknown.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer or boolean leaf (the message names its path), or `return_norms`
+        is not a bool.
 
     Examples:
       >>> import jax.numpy as jnp, optclip
       >>> grads = {"w": jnp.array([[6., 8.], [0.3, 0.4], [3e20, 4e20]])}  # 3 examples
-      >>> summed, norms, num_clipped = optclip.per_example_clip(grads, 1.0)
-      >>> print(summed["w"], norms, num_clipped)
-      [1.5 2. ] [1.e+01 5.e-01 5.e+20] 2
+      >>> summed, num_clipped = optclip.per_example_clip(grads, 1.0)
+      >>> print(summed["w"], num_clipped)
+      [1.5 2. ] 2
+      >>> _, _, norms = optclip.per_example_clip(grads, 1.0, return_norms=True)
+      >>> print(norms)
+      [1.e+01 5.e-01 5.e+20]
 
     References:
       Abadi et al., 2016, Deep Learning with Differential Privacy,
       https://arxiv.org/abs/1607.00133
     """
+    return_norms = _checks.check_bool(return_norms, "return_norms")
     leaves, treedef, dtype, threshold = _prepare(grads, max_norm, nonfinite, "per_example_clip")
     if not leaves:
-        return grads, jnp.zeros((0,), dtype), jnp.zeros((), jnp.int32)
+        out = grads, jnp.zeros((), jnp.int32), jnp.zeros((0,), dtype)
+        return out if return_norms else out[:2]
     norms = example_norms(leaves, per_leaf=False)
     scales = _functional.clip_scale(norms, threshold)
     finite = jnp.isfinite(norms)
     summed = _sums(leaves, lambda i: scales, finite, nonfinite)
     num_clipped = _count(finite & (norms > threshold))
-    return jax.tree.unflatten(treedef, summed), norms, num_clipped
+    summed = jax.tree.unflatten(treedef, summed)
+    return (summed, num_clipped, norms) if return_norms else (summed, num_clipped)
 
 
-def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagate"):
+def per_example_layer_clip(
+    grads, max_norm, uniform=True, *, nonfinite="propagate", return_norms=False
+):
     r"""Clips every example's gradient leaf by leaf (layer by layer), and sums them.
 
     .. math::
@@ -238,9 +251,10 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
     number of its elements per example and ``D`` theirs over all leaves. Either way the clipped
     example has a global norm of at most ``c``: ``sum_x c_x**2 == c**2``.
 
-    Per-layer clipping for DP-SGD (McMahan et al. 2017), and
-    ``optax.per_example_layer_norm_clip`` with the same meaning of `max_norm` (optax's
-    ``global_l2_norm_clip``) and `uniform`, any pytree, and the numerics of
+    Per-layer clipping for DP-SGD (McMahan et al. 2017), and a drop-in for
+    ``optax.per_example_layer_norm_clip``: the same arguments (`max_norm` is optax's
+    ``global_l2_norm_clip``) and the same ``(summed, num_clipped)``, with any pytree and the
+    numerics of
     :func:`per_example_clip`: norms accumulated in float32 and correct when squares overflow,
     a negative threshold treated as zero, float32 accumulation of the sums, and a non-finite
     example NaN by default. One pass computes the norms of every leaf of every example (one
@@ -257,38 +271,45 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
       nonfinite: what an example with a non-finite norm in any leaf does: ``"propagate"``
         (default) makes every leaf of the sum NaN; ``"zero"`` leaves that example out of the
         sum entirely (every leaf of it, not just the non-finite one).
+      return_norms: also return each leaf's per-example norms (a third value).
 
     Returns:
-      ``(summed, norms, num_clipped)``, each with the structure of `grads`: the sum over the
-      batch of the clipped gradients (every leaf without its batch axis, in its own dtype); each
+      ``(summed, num_clipped)``, as optax, each with the structure of `grads`: the sum over the
+      batch of the clipped gradients (every leaf without its batch axis, in its own dtype), and
+      for each leaf, the number of examples (of finite norms in every leaf) that it scaled down
+      (int32 scalars). With ``return_norms=True``, ``(summed, num_clipped, norms)``: also each
       leaf's per-example norms before clipping (shape ``(B,)``, float32, float64 if any leaf is
-      float64 or complex128); and for each leaf, the number of examples (of finite norms in every
-      leaf) that it scaled down (int32 scalars). optax returns the first and the last.
+      float64 or complex128).
 
     Raises:
       ValueError: a leaf has no batch axis (0-d) or a batch size other than the first leaf's,
         `max_norm` is not 0-d or is NaN, or `nonfinite` is unknown.
-      TypeError: an integer or boolean leaf (the message names its path), or `uniform` is not a
-        bool (it decides the program: with ``jax.jit``, make it a static argument).
+      TypeError: an integer or boolean leaf (the message names its path), or `uniform` or
+        `return_norms` is not a bool (they decide the program: with ``jax.jit``, make them
+        static arguments).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip
       >>> grads = {"a": jnp.array([[6., 8.], [0.3, 0.4]]), "b": jnp.array([[0.5], [-3.]])}
-      >>> summed, norms, num_clipped = optclip.per_example_layer_clip(grads, 2.0)
+      >>> summed, num_clipped = optclip.per_example_layer_clip(grads, 2.0)
       >>> print(np.round(np.float64(summed["a"]), 4), np.round(np.float64(summed["b"]), 4))
       [1.1485 1.5314] [-0.9142]
-      >>> print(norms["a"], norms["b"], num_clipped["a"], num_clipped["b"])
-      [10.   0.5] [0.5 3. ] 1 1
+      >>> print(num_clipped["a"], num_clipped["b"])
+      1 1
+      >>> _, _, norms = optclip.per_example_layer_clip(grads, 2.0, return_norms=True)
+      >>> print(norms["a"], norms["b"])
+      [10.   0.5] [0.5 3. ]
 
     References:
       McMahan et al., 2017, Learning Differentially Private Recurrent Language Models,
       https://arxiv.org/abs/1710.06963
     """
     uniform = _checks.check_bool(uniform, "uniform")
+    return_norms = _checks.check_bool(return_norms, "return_norms")
     what = "per_example_layer_clip"
     leaves, treedef, dtype, threshold = _prepare(grads, max_norm, nonfinite, what)
     if not leaves:
-        return grads, grads, grads
+        return (grads, grads, grads) if return_norms else (grads, grads)
     count = len(leaves)
     sizes = [math.prod(x.shape[1:]) for x in leaves]
     total = sum(sizes)
@@ -305,8 +326,10 @@ def per_example_layer_clip(grads, max_norm, *, uniform=True, nonfinite="propagat
     scales = jnp.where(finite, scales, jnp.nan)
     summed = _sums(leaves, lambda i: scales[i], finite, nonfinite)
     num_clipped = jnp.sum(finite & (norms > thresholds), axis=1, dtype=jnp.int32)
-    return (
+    out = (
         jax.tree.unflatten(treedef, summed),
-        jax.tree.unflatten(treedef, [norms[i] for i in range(count)]),
         jax.tree.unflatten(treedef, [num_clipped[i] for i in range(count)]),
     )
+    if not return_norms:
+        return out
+    return (*out, jax.tree.unflatten(treedef, [norms[i] for i in range(count)]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import NamedTuple
 
 import jax
@@ -10,8 +9,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip import _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
+
+_NO_CLIP = "If you meant no clipping, leave the clip out."
+_NO_CLIP_CLIPNORM = (
+    "If you meant no clipping (Keras' rule for `clipnorm <= 0`), leave the clip out, or use "
+    "`optclip.clipped(optimizer, clipnorm=...)`, which follows Keras."
+)
+_NO_CLIP_GLOBAL_CLIPNORM = (
+    "If you meant no clipping (Keras' rule for `global_clipnorm <= 0`), leave the clip out, or "
+    "use `optclip.clipped(optimizer, global_clipnorm=...)`, which follows Keras."
+)
 
 
 class ScheduleState(NamedTuple):
@@ -31,23 +40,6 @@ class GlobalClipState(NamedTuple):
     scale: jax.Array  # factor the last update was multiplied by (1 if not clipped; see `nonfinite`)
     threshold: jax.Array  # the last update's threshold, ``max(max_norm, 0)``
     group_norms: GroupNorms | None  # pre-clip norm of each group (`group_norms=`), else None
-
-
-def _check_axes_static(axes) -> None:
-    if axes is None or _checks.is_traced(axes):
-        return
-
-    def is_int(a):
-        if isinstance(a, (np.ndarray, jax.Array)):
-            return a.ndim == 0 and jnp.issubdtype(a.dtype, jnp.integer)
-        return isinstance(a, (numbers.Integral, np.integer)) and not isinstance(a, bool)
-
-    try:
-        ok = is_int(axes) or all(is_int(a) for a in axes)
-    except TypeError:
-        ok = False
-    if not ok:
-        raise TypeError(f"`axes` must be None, an int or a sequence of ints, got {axes!r}.")
 
 
 def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
@@ -71,23 +63,22 @@ def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def value_clip(clip_value_min, clip_value_max=None) -> optax.GradientTransformation:
+def value_clip(clip_value_min, clip_value_max=_checks.NOT_GIVEN) -> optax.GradientTransformation:
     r"""Clamps every update element into ``[clip_value_min, clip_value_max]``.
 
     .. math::
         u_i \mapsto \min(\max(u_i, \text{min}), \text{max})
 
-    Keras' ``clipvalue=v`` is ``value_clip(v)``, which clips into ``[-v, v]``
-    (``optax.clip(v)``). A bound may be ``None`` (no bound on that side, as in
-    ``optax.tree.clip``): ``value_clip(None, hi)`` is an upper bound only. Since a single
-    argument means ``[-v, v]``, a lower bound only is ``value_clip(lo, float("inf"))`` (integer
-    leaves too: an infinite bound saturates at their range). ``value_clip(None)`` clips nothing.
-    See :func:`clip_by_value`.
+    Keras' ``clipvalue=v`` is ``value_clip(v)``: one argument clips into ``[-v, v]``
+    (``optax.clip(v)``). With two arguments, each is a bound, and ``None`` is an open bound
+    (no bound on that side), as in :func:`clip_by_value` and ``optax.tree.clip``:
+    ``value_clip(lo, None)`` is a lower bound only, ``value_clip(None, hi)`` an upper bound only.
+    ``value_clip(None)`` clips nothing.
 
     Args:
       clip_value_min: the lower bound, or ``None``; given alone, ``v`` means ``[-v, v]``.
-      clip_value_max: the upper bound, or ``None``: left out with a `clip_value_min` ``v``,
-        the range is ``[-v, v]``.
+      clip_value_max: the upper bound, or ``None`` for no upper bound. Left out, the range is
+        ``[-v, v]`` with ``v`` = `clip_value_min`.
 
     Returns:
       An ``optax.GradientTransformation`` with empty state. A traced NaN bound
@@ -95,6 +86,7 @@ def value_clip(clip_value_min, clip_value_max=None) -> optax.GradientTransformat
 
     Raises:
       ValueError: concrete bounds with ``min > max`` (a single ``v < 0``), or a NaN bound.
+      TypeError: a bound that is not a real number or array (a complex bound, say).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -102,19 +94,12 @@ def value_clip(clip_value_min, clip_value_max=None) -> optax.GradientTransformat
       >>> updates, _ = tx.update(jnp.array([-3., 0.5, 2.]), tx.init(None))
       >>> print(updates)
       [-1.   0.5  1. ]
-      >>> tx = optclip.value_clip(0.0, float("inf"))  # a lower bound only
+      >>> tx = optclip.value_clip(0.0, None)  # a lower bound only
       >>> print(tx.update(jnp.array([-3, 5]), tx.init(None))[0])
       [0 5]
     """
-    if clip_value_max is None and clip_value_min is not None:
-        _checks.check_bounds(clip_value_min, clip_value_min)
-        value = _checks.concrete(clip_value_min)
-        if value is not None and np.any(value < 0):
-            raise ValueError(
-                "`clip_value_min` given alone means the range [-v, v] and must be >= 0, "
-                f"got {clip_value_min!r}."
-            )
-        clip_value_min, clip_value_max = -jnp.asarray(clip_value_min), clip_value_min
+    if clip_value_max is _checks.NOT_GIVEN:
+        clip_value_min, clip_value_max = _symmetric(clip_value_min)
     _checks.check_bounds(clip_value_min, clip_value_max)
 
     def init_fn(params):
@@ -126,6 +111,23 @@ def value_clip(clip_value_min, clip_value_max=None) -> optax.GradientTransformat
         return _functional.clip_by_value(updates, clip_value_min, clip_value_max), state
 
     return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _symmetric(v):
+    """The bounds ``(-v, v)`` of the one-argument `value_clip(v)` (``(None, None)`` for None)."""
+    if v is None:
+        return None, None
+    _checks.check_bounds(v, v)
+    value = _checks.concrete(v)
+    if value is not None and np.any(value < 0):
+        raise ValueError(
+            f"`clip_value_min` given alone means the range [-v, v] and must be >= 0, got {v!r}."
+        )
+    if isinstance(v, (np.ndarray, np.generic)) and np.issubdtype(v.dtype, np.unsignedinteger):
+        v = v.astype(np.int64)  # (-v would wrap around)
+    elif isinstance(v, jax.Array) and jnp.issubdtype(v.dtype, jnp.unsignedinteger):
+        v = v.astype(jnp.int32)
+    return -v, v
 
 
 def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
@@ -148,7 +150,12 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is, or `axes` out of range for a leaf.
-      TypeError: at update, an integer or boolean leaf.
+      TypeError: `axes` is not None, an int or ints (``[0.5]``, ``True``, a traced value); at
+        update, an integer or boolean leaf.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (TensorFlow's rule;
+        for Keras' "<= 0 turns clipping off", use :func:`clipped` with ``clipnorm=``).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -158,7 +165,8 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
       [0.6 0.8] [0.1]
     """
     _checks.check_threshold(max_norm, "max_norm")
-    _check_axes_static(axes)
+    axes = _checks.check_axes(axes)
+    _checks.warn_if_nonpositive(max_norm, f"norm_clip(max_norm={max_norm!r})", _NO_CLIP_CLIPNORM)
     return _per_leaf_transform(
         lambda updates, threshold: _functional.clip_by_norm(updates, threshold, axes), max_norm
     )
@@ -182,6 +190,9 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is.
 
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update.
+
     Examples:
       >>> import jax.numpy as jnp, optclip
       >>> tx = optclip.average_norm_clip(1.0)
@@ -190,6 +201,7 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
       [1.2 1.6]
     """
     _checks.check_threshold(max_norm, "max_norm")
+    _checks.warn_if_nonpositive(max_norm, f"average_norm_clip(max_norm={max_norm!r})", _NO_CLIP)
     return _per_leaf_transform(_functional.clip_by_average_norm, max_norm)
 
 
@@ -215,6 +227,9 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
         update, a schedule value that is.
       TypeError: at update, an integer or boolean leaf.
 
+    Warns:
+      UserWarning: a concrete `threshold` <= 0, which zeroes every update.
+
     Examples:
       >>> import jax.numpy as jnp, optclip
       >>> tx = optclip.block_rms_clip(1.0)
@@ -223,6 +238,7 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
       [1.2 1.6 0.  0. ]
     """
     _checks.check_threshold(threshold, "threshold")
+    _checks.warn_if_nonpositive(threshold, f"block_rms_clip(threshold={threshold!r})", _NO_CLIP)
     return _per_leaf_transform(_functional.clip_by_block_rms, threshold, "threshold")
 
 
@@ -248,13 +264,15 @@ def global_clip(
       axis_name: inside ``shard_map``/``pmap``, the mesh axes the updates are split over; see
         :func:`global_norm`. None (default): inside ``shard_map`` each leaf's axes are read from
         how it varies over the mesh; elsewhere there is nothing to reduce (under ``jit``,
-        sharded arrays are whole arrays).
+        sharded arrays are whole arrays). Under ``pmap``, gradients averaged with
+        ``lax.pmean`` are the same on every device: leave None (naming the axis would count
+        them once per device); :func:`check_split` checks it.
       nonfinite: what a non-finite norm does: ``"propagate"`` (default; every leaf becomes NaN,
         as in TensorFlow), ``"zero"`` (the update becomes zeros) or ``"raise"``
         (:class:`NonFiniteNormError` naming the leaves with NaN or inf, as PyTorch's
         ``error_if_nonfinite=True``; eager: before anything changes; under ``jit``: when the
-        step runs, re-raised by JAX as its runtime error with this message). Each such step is
-        counted in ``nonfinite_count``.
+        step runs, reported by JAX as its own runtime error, which :func:`reraise_errors`
+        turns back into this one). Each such step is counted in ``nonfinite_count``.
       group_norms: also keep the pre-clip norm of groups of leaves (per layer, per leaf) in the
         state, computed from the same partial sums as the global norm: None (default), ``"leaf"``
         (one group per leaf), an int ``k >= 1`` (the leaves under each key path of depth ``k``
@@ -271,9 +289,14 @@ def global_clip(
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN; unknown `ord`, `nonfinite` or
         `group_norms`; at update, an `axis_name` that is not bound or does not match how the
-        leaves vary over the mesh.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+        leaves vary over the mesh (:class:`AxisNameError`).
+      TypeError: `axis_name` is not one of the accepted forms; at update, an integer or boolean
+        leaf (the message names its path).
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (TensorFlow's rule;
+        for Keras' "<= 0 turns clipping off", use :func:`clipped` with ``global_clipnorm=``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -293,9 +316,12 @@ def global_clip(
     """
     _checks.check_threshold(max_norm, "max_norm")
     p = _checks.check_ord(ord)
+    _axes.check_axis_name(axis_name)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
-    # An `axis_name` that is neither a name nor a tree is caught at the first update.
+    _checks.warn_if_nonpositive(
+        max_norm, f"global_clip(max_norm={max_norm!r})", _NO_CLIP_GLOBAL_CLIPNORM
+    )
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
 
 
@@ -160,7 +160,12 @@ def zclip(
       ValueError: `alpha` outside (0, 1); `z_thresh`, `clip_factor` or `eps` not > 0;
         `warmup_steps` not an int >= 1; unknown `mode`, `clip_option` or `nonfinite`; a number
         that is not 0-d.
-      TypeError: `skip_update_on_spike` not a bool; at update, an integer or boolean leaf.
+      TypeError: `skip_update_on_spike` not a bool; `axis_name` not one of the accepted forms;
+        at update, an integer or boolean leaf.
+
+    Warns:
+      UserWarning: a concrete `max_norm` <= 0, which zeroes every update (``max_norm=None``
+        turns the absolute cap off).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -180,6 +185,11 @@ def zclip(
     _checks.check_number(z_thresh, "z_thresh", "a number > 0", lambda v: v > 0)
     if max_norm is not None:
         _checks.check_threshold(max_norm, "max_norm")
+        _checks.warn_if_nonpositive(
+            max_norm,
+            f"zclip(max_norm={max_norm!r})",
+            "If you meant no absolute cap, pass `max_norm=None`.",
+        )
     _checks.check_count(warmup_steps, "warmup_steps", static=False)
     _checks.check_choice(mode, "mode", ("zscore", "percentile"))
     if mode == "zscore":
@@ -188,6 +198,7 @@ def zclip(
     _checks.check_bool(skip_update_on_spike, "skip_update_on_spike")
     _checks.check_number(eps, "eps", "a number > 0", lambda v: v > 0)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
+    _axes.check_axis_name(axis_name)
     group_norms = _groups.check_spec(group_norms)
     rule = _Rule(alpha, z_thresh, mode, clip_option, clip_factor, skip_update_on_spike, eps)
 

@@ -801,6 +801,132 @@ def device_checks():
     record("devices/leaves_stay_on_their_devices", all(jax.tree.leaves(stayed)))
 
 
+# ----------------------------------------------------------------------------------------------
+# 11. `check_split`: a leaf declared split that is the same on every device (pmap, where JAX does
+# not track variation), and `reraise_errors` giving back the errors raised on the devices.
+
+
+def _error_of(fn):
+    """The exception `fn()` raises inside `optclip.reraise_errors()` (None if none)."""
+    try:
+        with optclip.reraise_errors():
+            jax.block_until_ready(fn())
+    except Exception as error:  # noqa: BLE001 - returned, for the checks to look at
+        return error
+    return None
+
+
+def _is(error, error_type, pattern) -> bool:
+    return isinstance(error, error_type) and re.search(pattern, str(error)) is not None
+
+
+def split_check_checks():
+    rng = np.random.default_rng(11)
+    n = jax.device_count()
+    split = {
+        "w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+        "b": rng.standard_normal((n, 4)).astype(np.float32),
+        "z": np.zeros((n, 2), np.float32),  # zero everywhere: never reported
+    }
+    rep = {"c": rng.standard_normal((5,)).astype(np.float32)}
+    good = {"w": "i", "b": "i", "z": "i", "c": None}
+
+    def run(axis_name, average=False):
+        def step(s, r):
+            grads = {**s, **r}
+            if average:
+                grads = jax.lax.pmean(grads, "i")  # the same on every device
+            optclip.check_split(grads, axis_name)
+            return optclip.global_norm(grads, axis_name=axis_name)
+
+        return lambda: jax.pmap(step, axis_name="i", in_axes=(0, None))(split, rep)
+
+    error = _error_of(run(good))
+    record("split-check/pmap_split_leaves_pass", error is None, note=repr(error)[:300])
+    norm = jax.pmap(
+        lambda s, r: optclip.global_norm({**s, **r}, axis_name=good),
+        axis_name="i",
+        in_axes=(0, None),
+    )(split, rep)
+    check("split-check/pmap_norm_unchanged", norm, np.full(n, ref_norm({**split, **rep})))
+
+    error = _error_of(run("i", average=True))  # pmean-ed, then declared split: the mistake
+    record(
+        "split-check/pmap_averaged_grads_reported",
+        _is(
+            error,
+            optclip.AxisNameError,
+            r"same on every device: `\['b'\]` over 'i', `\['c'\]` over 'i', `\['w'\]` over "
+            r"'i'\. .*sqrt\(n\) times too large",
+        ),
+        note=repr(error)[:400],
+    )
+    error = _error_of(run({**good, "c": "i"}))  # only the leaf passed whole is replicated
+    record(
+        "split-check/pmap_replicated_leaf_named_alone",
+        _is(error, optclip.AxisNameError, r"device: `\['c'\]` over 'i'\. Such"),
+        note=repr(error)[:400],
+    )
+    record("split-check/no_stale_error_after", not _raises(jax.effects_barrier))
+    try:  # without `reraise_errors`: JAX's runtime error, with the message inside
+        jax.block_until_ready(run("i", average=True)())
+        record("split-check/jax_runtime_error_without_reraise", False, note="no error")
+    except jax.errors.JaxRuntimeError as error:
+        record("split-check/jax_runtime_error_without_reraise", "AxisNameError" in str(error))
+    _raises(jax.effects_barrier)  # (JAX keeps the other devices' errors: let them out here)
+
+    # shard_map without variation tracking: the same check, per mesh axis.
+    mesh = mesh_2d()
+    tree, specs = mixed_tree(rng)
+    g = put(tree, specs, mesh)
+
+    def in_shard_map(axis_name):
+        fn = smap(
+            lambda t: optclip.check_split(t, axis_name) or jnp.zeros(()),
+            mesh,
+            (specs,),
+            P(),
+            check_vma=False,
+        )
+        return lambda: fn(g)
+
+    error = _error_of(in_shard_map(specs))
+    record("split-check/shard_map_specs_pass", error is None, note=repr(error)[:300])
+    wrong = {**specs, "data": P("data", "model")}  # replicated over "model", declared split
+    error = _error_of(in_shard_map(wrong))
+    record(
+        "split-check/shard_map_axis_named",
+        _is(error, optclip.AxisNameError, r"device: `\['data'\]` over 'model'\. Such"),
+        note=repr(error)[:400],
+    )
+    # With variation tracking (check_vma=True) the same mistake is caught when tracing.
+    fn = smap(lambda t: optclip.check_split(t, wrong) or jnp.zeros(()), mesh, (specs,), P())
+    expect_error(
+        "split-check/shard_map_tracked_at_trace",
+        lambda: fn(g),
+        optclip.AxisNameError,
+        r"declares leaf `\['data'\]` split over 'model', but it does not vary over that axis",
+    )
+
+    # nonfinite="raise" under pmap: every device raises; one NonFiniteNormError comes back.
+    clip = optclip.global_clip(1.0, axis_name="i", nonfinite="raise")
+    bad = dict(split, w=split["w"].copy())
+    bad["w"][3, 0, 0] = np.nan
+    error = _error_of(
+        lambda: jax.pmap(lambda t: clip.update(t, clip.init(t))[0], axis_name="i")(bad)
+    )
+    record(
+        "split-check/pmap_nonfinite_raise",
+        _is(  # (the device that reports may be one whose own pieces are finite)
+            error,
+            optclip.NonFiniteNormError,
+            r"leaves with NaN or inf: (`\['w'\]`|none here \(.* is on another device\))",
+        ),
+        note=repr(error)[:400],
+    )
+    record("split-check/no_stale_error_after_nonfinite", not _raises(jax.effects_barrier))
+
+
 def _raises(fn) -> bool:
     try:
         jax.block_until_ready(fn())
@@ -835,6 +961,8 @@ def main():
         group_checks()
     with group("devices"):
         device_checks()
+    with group("split-check"):
+        split_check_checks()
     print("RESULT " + json.dumps(RESULTS))
 
 
