@@ -50,7 +50,13 @@ def _percentile(values, filled, q):
 
 
 def autoclip(
-    percentile=10.0, history=1000, *, axis_name=None, nonfinite="propagate", group_norms=None
+    percentile=10.0,
+    history=1000,
+    *,
+    axis_name=None,
+    nonfinite="propagate",
+    group_norms=None,
+    stacked=None,
 ) -> optax.GradientTransformation:
     r"""AutoClip: a global clip at a percentile of the recent gradient norms.
 
@@ -107,6 +113,7 @@ def autoclip(
     _checks.check_count(history, "history", static=True)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
     size = int(history)
 
     def init_fn(params):
@@ -120,13 +127,15 @@ def autoclip(
             clip_count=_steps.counter(),
             nonfinite_count=_steps.counter(),
             scale=jnp.ones((), dtype),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "autoclip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.norms.dtype
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "autoclip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "autoclip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "autoclip", buckets)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)

@@ -227,7 +227,7 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
 
 
 def global_clip(
-    max_norm, *, ord=2, axis_name=None, nonfinite="propagate", group_norms=None
+    max_norm, *, ord=2, axis_name=None, nonfinite="propagate", group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
     r"""Scales the whole update by one factor so that its global norm is at most `max_norm`.
 
@@ -295,6 +295,7 @@ def global_clip(
     p = _checks.check_ord(ord)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
     # An `axis_name` that is neither a name nor a tree is caught at the first update.
 
     def init_fn(params):
@@ -308,13 +309,15 @@ def global_clip(
             threshold=_functional.threshold_as(
                 _steps.threshold_at(max_norm, _steps.counter()), dtype
             ),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "global_clip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         threshold = _steps.threshold_at(max_norm, state.step)
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "global_clip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "global_clip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, p, axis_name, "global_clip", buckets)
         updates, scale = _nonfinite.clip_to_threshold(
             updates, norm, threshold, nonfinite, "global_clip"

@@ -92,6 +92,7 @@ def zclip(
     axis_name=None,
     nonfinite="propagate",
     group_norms=None,
+    stacked=None,
 ) -> optax.GradientTransformation:
     r"""ZClip: a global clip when the norm is an outlier against its EMA mean and variance.
 
@@ -189,6 +190,7 @@ def zclip(
     _checks.check_number(eps, "eps", "a number > 0", lambda v: v > 0)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
     rule = _Rule(alpha, z_thresh, mode, clip_option, clip_factor, skip_update_on_spike, eps)
 
     def cap_at(step, dtype):
@@ -207,13 +209,15 @@ def zclip(
             spike_count=_steps.counter(),
             nonfinite_count=_steps.counter(),
             scale=jnp.ones((), dtype),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "zclip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.mean.dtype
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "zclip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "zclip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "zclip", buckets)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
