@@ -126,7 +126,8 @@ def _group_of(spec, path, skip: int, stack) -> str | None:
 def _unrolled(flat, leaf_stacks, layers) -> list:
     """``(leaf, layer)`` pairs (layer None for a leaf not stacked) in the order of the leaves of
     the unrolled model: a stack's leaves for layer 0, then for layer 1, ..."""
-    order, done = [], set()
+    order: list[tuple[int, int | None]] = []
+    done: set[tuple] = set()
     for i, ((path, _), stack) in enumerate(zip(flat, leaf_stacks)):
         if stack is None:
             order.append((i, None))

@@ -81,7 +81,7 @@ def check_stacked(stacked, spec=None) -> tuple:
         items = [(path, 0) for path in stacked]
     else:
         raise TypeError(f"{STACKED_ACCEPTED}; got {stacked!r}.")
-    out = []
+    out: list[tuple] = []
     for path, axis in items:
         keys = tuple(k for k in path.split("/") if k) if isinstance(path, str) else ()
         if not keys:
@@ -143,7 +143,9 @@ def stacks(declared: tuple, tree) -> list:
     path holds leaves, each with the layer axis, and one number of layers per stack."""
     flat = leaves_with_paths(tree)
     skip = flax_root([path for path, _ in flat])
-    out, used, counts = [], set(), {}
+    out: list[Stack | None] = []
+    used: set[int] = set()
+    counts: dict[str, tuple] = {}
     for path, leaf in flat:
         found = _stack_of(path, declared, skip) if declared else None
         if found is None:
@@ -206,9 +208,9 @@ def _infer_split(path, leaf, spec, count: int, want: int, what: str) -> tuple:
     if len(fits) == 1:
         return (fits[0],)
     raise ValueError(
-        f"`{what}`: stacked leaf `{path_name(path)}` holds {count} layers here and its group "
-        f"norms were made (by `init`) for {want}, so its layer axis is split over mesh axes, "
-        f"but which ones cannot be told from the axes it is split over "
+        f"`{what}`: stacked leaf `{path_name(path)}` holds {count} of its {want} layers here "
+        f"(its group norms were made by `init` for {want}), so its layer axis is split over "
+        f"mesh axes, but which ones cannot be told from the axes it is split over "
         f"({sorted(candidates)}). Pass shard_map's `in_specs` for the updates as `axis_name`."
     )
 
@@ -230,6 +232,9 @@ def layer_splits(tree, leaf_stacks, axis_name, expected, what: str):
         if stack is not None and isinstance(spec, PartitionSpec):
             split = _entry_axes(spec, stack.axis)
             _axes.check_bound(split)
+            if expected is None and _axes.tracks_variation():  # `init`: a constant is whole
+                varying = _axes.varying_axes(jax.tree.leaves(leaf)[0])
+                split = tuple(a for a in split if a in varying)
         elif stack is not None and expected is None:
             varying = _axes.varying_axes(jax.tree.leaves(leaf)[0])
             if _axes.tracks_variation() and varying:
@@ -240,7 +245,7 @@ def layer_splits(tree, leaf_stacks, axis_name, expected, what: str):
                     "parameters (outside shard_map), or pass shard_map's `in_specs` as "
                     "`axis_name`."
                 )
-        elif stack is not None:
+        elif stack is not None and count is not None:
             want = expected.get(path_name(path[: stack.prefix]), count)
             if want != count and want % count == 0:
                 split = _infer_split(path, leaf, spec, count, want, what)

@@ -207,8 +207,7 @@ def _replicated(x):
     """`x` replicated over its mesh if it is sharded over explicit mesh axes (the partial sums of
     a leaf whose layer axis is sharded): JAX would not concatenate it with other partial sums."""
     sharding = _sharding_key(x)
-    spec = getattr(sharding, "spec", None)
-    if not isinstance(sharding, NamedSharding) or all(entry is None for entry in spec):
+    if not isinstance(sharding, NamedSharding) or all(entry is None for entry in sharding.spec):
         return x
     return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
 
@@ -380,7 +379,7 @@ def float_leaves(tree, what: str):
     return leaves
 
 
-def norms_of(tree, p, axis_name, what: str, buckets: Sequence[int] = ()):
+def norms_of(tree, p, axis_name, what: str, buckets: Sequence[int] | _groups.Layout | None = ()):
     """``(global norm, bucket norms)`` of a checked tree (`p` from `_checks.check_ord`), reduced
     over the mesh axes `axis_name` gives or JAX's tracking infers (`_axes.leaf_axes`)."""
     leaves = float_leaves(tree, what)
