@@ -133,6 +133,10 @@ def agc(
         decides the unit norms, and JAX does not track that).
       group_norms: also keep the pre-clip norm of groups of leaves in the state, from the unit
         norms (no second pass): as in :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers, as in :func:`optclip.global_clip`. A
+        stacked leaf's units are those of each layer's slice (the unrolled model's: the rule
+        above and `axis` apply to the slice), where optax's rule would take a
+        ``(layers, in, out)`` kernel for a multi-head one and mix the layers in each unit.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AGCState`: ``global_norm``
@@ -142,7 +146,8 @@ def agc(
 
     Raises:
       ValueError: a concrete negative or NaN `clipping` or `eps`, or one that is not 0-d; at
-        update, ``params=None``, params that do not match the updates, or `axis` out of range.
+        update, ``params=None``, params that do not match the updates, or `axis` out of range;
+        a `group_norms` or `stacked` that does not fit (as in :func:`optclip.global_clip`).
       TypeError: at update, an integer or boolean leaf (the message names its path).
 
     Examples:

@@ -83,6 +83,8 @@ def autoclip(
         :func:`optclip.global_clip`.
       group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
         :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers (per-layer norms), as in
+        :func:`optclip.global_clip`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AutoClipState`:
@@ -92,7 +94,8 @@ def autoclip(
 
     Raises:
       ValueError: `percentile` outside [0, 100] or not 0-d; `history` not an int >= 1; unknown
-        `nonfinite`.
+        `nonfinite`; a `group_norms` or `stacked` that does not fit (as in
+        :func:`optclip.global_clip`).
       TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); at update, an
         integer or boolean leaf.
 

@@ -257,9 +257,23 @@ def global_clip(
         counted in ``nonfinite_count``.
       group_norms: also keep the pre-clip norm of groups of leaves (per layer, per leaf) in the
         state, computed from the same partial sums as the global norm: None (default), ``"leaf"``
-        (one group per leaf), an int ``k >= 1`` (the leaves under each key path of depth ``k``
-        form a group), or a function of a leaf's key path returning its group's name (or None).
+        (one group per leaf), ``"layer"`` (one group per layer of the `stacked` leaves, every
+        other leaf its own group), an int ``k >= 1`` (the leaves under each key path of depth
+        ``k`` form a group; in a Flax ``{"params": ...}`` dict the depth counts the keys under
+        ``"params"``), or a function of a leaf's key path returning its group's name (or None).
         Read them with ``state.group_norms["name"]`` or :func:`optclip.metrics`.
+      stacked: the subtrees whose leaves stack the layers of a scanned model along a layer axis
+        (``nn.scan``, ``nnx.vmap``, MaxText, Levanter): a key path (``"blocks"``,
+        ``"decoder/layers"``; a Flax dict's lone ``"params"`` key may be left out), a list of
+        key paths (layer axis 0), or a dict from key paths to layer axes
+        (``{"decoder/layers": 1}``). Each such leaf is reduced over all axes but its layer axis
+        (one partial sum per layer, in the same one read of the gradients), and layer ``i`` of
+        the leaf at ``blocks/attn/w`` is named ``blocks/i/attn/w``, as in the unrolled model,
+        for every `group_norms` spec. Given the same `stacked`, the global norm and the update
+        are the same bits with or without `group_norms`. Inside ``shard_map``/``pmap`` a device
+        may hold some of the layers: which mesh axes split the layer axis comes from
+        `axis_name`'s ``PartitionSpec``\ s, or from the number of layers `init` saw (call it on
+        the global parameters).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`GlobalClipState` with
@@ -270,9 +284,12 @@ def global_clip(
 
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN; unknown `ord`, `nonfinite` or
-        `group_norms`; at update, an `axis_name` that is not bound or does not match how the
-        leaves vary over the mesh.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+        `group_norms`; ``group_norms="layer"`` without `stacked`; at update, an `axis_name` that
+        is not bound or does not match how the leaves vary over the mesh; at init and update, a
+        `stacked` key path that holds no leaf, a leaf without the layer axis, or leaves of one
+        stack with different numbers of layers (the message names them).
+      TypeError: `stacked` that is not a key path, list or dict, or a layer axis that is not an
+        int; at update, an integer or boolean leaf (the message names its path).
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
 
     Examples:
@@ -286,6 +303,15 @@ def global_clip(
       [-1.5 -2. ] 13.0
       >>> print(state[0].group_norms["w"], state[0].group_norms["b"], state[0].scale)
       5.0 12.0 0.5
+
+      A scanned model's blocks, stacked along axis 0, one norm per layer:
+
+      >>> tx = optclip.global_clip(1.0, stacked="blocks", group_norms="layer")
+      >>> grads = {"blocks": {"w": jnp.array([[3., 4.], [0., 1.], [6., 8.]])},
+      ...          "head": jnp.array([2.])}
+      >>> _, state = tx.update(grads, tx.init(grads))
+      >>> print(list(state.group_norms), state.group_norms.values)
+      ['blocks/0', 'blocks/1', 'blocks/2', 'head'] [ 5.  1. 10.  2.]
 
     References:
       Pascanu et al., 2013, On the difficulty of training recurrent neural networks,

@@ -145,6 +145,8 @@ def zclip(
         :func:`optclip.global_clip`.
       group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
         :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers (per-layer norms), as in
+        :func:`optclip.global_clip`.
 
     Every numeric argument may be traced (``optax.inject_hyperparams``); the state's shape does
     not depend on any of them.
@@ -160,7 +162,8 @@ def zclip(
     Raises:
       ValueError: `alpha` outside (0, 1); `z_thresh`, `clip_factor` or `eps` not > 0;
         `warmup_steps` not an int >= 1; unknown `mode`, `clip_option` or `nonfinite`; a number
-        that is not 0-d.
+        that is not 0-d; a `group_norms` or `stacked` that does not fit (as in
+        :func:`optclip.global_clip`).
       TypeError: `skip_update_on_spike` not a bool; at update, an integer or boolean leaf.
 
     Examples:
