@@ -42,6 +42,15 @@ def transformer_shapes(cfg: TransformerShape) -> dict:
     }
 
 
+def stacked_transformer_shapes(cfg: TransformerShape) -> dict:
+    """The same model scanned (`nn.scan`, `nnx.vmap`, MaxText): each of the 10 leaves of a block
+    holds every block's weights along a leading layer axis (``(n_blocks, 512, 1536)``)."""
+    shapes = transformer_shapes(cfg)
+    block = shapes["blocks"][0]
+    shapes["blocks"] = jax.tree.map(lambda s: (cfg.n_blocks, *s), block, is_leaf=_is_shape)
+    return shapes
+
+
 def mlp_shapes(widths: tuple[int, ...]) -> list:
     """Parameter shapes of a dense network: a weight and a bias per layer, in order
     (``(784, 256, 256, 10)``: 3 layers, 6 leaves, 269,322 parameters)."""

@@ -63,6 +63,7 @@ class Config:
     min_sample_s: float
     per_example: tuple[int, int]  # per-example clipping: (examples, width of the dense layer)
     per_example_mlp: tuple[int, ...]  # per-example clipping: widths of a dense network
+    stacked: _trees.TransformerShape  # per-layer norms: a scanned transformer
 
     @classmethod
     def make(cls, quick: bool, pairs: int | None, compile_pairs: int | None) -> Config:
@@ -79,6 +80,7 @@ class Config:
                 min_sample_s=0.005,
                 per_example=(8, 32),
                 per_example_mlp=(64, 32, 32, 10),
+                stacked=_trees.TransformerShape(vocab=1000, d_model=32, n_blocks=4),
             )
         return cls(
             quick=False,
@@ -92,6 +94,7 @@ class Config:
             min_sample_s=0.05,
             per_example=(64, 256),
             per_example_mlp=(784, 256, 256, 10),
+            stacked=_trees.TransformerShape(vocab=8000, d_model=128, n_blocks=24),
         )
 
 
@@ -428,8 +431,9 @@ class Suite:
 
     def groups(self) -> None:
         """Per-leaf norms (`group_norms="leaf"`) in the state: the step with them against the
-        same step without them, on a 1000-leaf model (the norms come from the same partial sums,
-        so the target is parity)."""
+        same step without them, on a 1000-leaf model; and per-layer norms of a scanned model's
+        stacked blocks against the plain step (the norms come from the same partial sums, so
+        the target is parity)."""
         if self.side.name != "optclip":
             self.log("groups: skipped (only optclip keeps group norms)")
             return
@@ -461,6 +465,44 @@ class Suite:
                 ref_name="no groups",
             )
         )
+        self._stacked_groups()
+
+    def _stacked_groups(self) -> None:
+        import optclip
+
+        shape = self.cfg.stacked
+        tree = _trees.numpy_tree(_trees.stacked_transformer_shapes(shape), seed=4, scale=1e-3)
+        specs = {
+            "none": {},
+            "layer": {"stacked": "blocks", "group_norms": "layer"},
+            "leaf": {"stacked": "blocks", "group_norms": "leaf"},
+        }
+        runners = []
+        for kwargs in specs.values():
+            opt = optax.chain(optclip.global_clip(1.0, **kwargs), optax.adam(1e-3))
+            fn = jax.jit(opt.update, donate_argnums=(1,))
+            box = [opt.init(tree)]
+
+            def run(fn=fn, box=box):
+                updates, box[0] = fn(tree, box[0])
+                return updates
+
+            runners.append(run)
+        n, size = shape.n_blocks, _trees.n_params(tree)
+        self.log(f"groups: clip+adam step, {n} stacked blocks, per-layer norms vs none")
+        p = _timing.interleaved(runners, pairs=self.cfg.pairs, min_sample_s=self.cfg.min_sample_s)
+        for k, what in enumerate(["a norm per layer", "a norm per layer and leaf"], start=1):
+            self.rows.append(
+                _ratio_row(
+                    "groups",
+                    f"clip+adam step, {what} vs none, {n} stacked blocks ({size / 1e6:.1f}M)",
+                    p,
+                    k,
+                    0,
+                    1.02,
+                    ref_name="no groups, no stacked",
+                )
+            )
 
     def memory(self) -> None:
         for dtype in (jnp.float32, jnp.bfloat16):

@@ -131,6 +131,7 @@ def test_demo_notes_runs_too_short_to_leave_the_plateau():
 
 def test_demo_plot(demo_runs, tmp_path):
     from matplotlib import image  # the test extra installs matplotlib: never skipped
+
     demo, runs = demo_runs
     path = tmp_path / "curves.png"
     fig = demo.plot(list(runs.values()), path)

@@ -2,6 +2,7 @@
 global norm, in every clip that keeps a norm."""
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -195,23 +196,50 @@ def test_gradient_through_the_clip_is_the_same_with_groups():
         assert np.all(np.isfinite(b))
 
 
+def reads_in_entry(text: str, shape: str) -> list:
+    """For each array of type `shape` (e.g. ``f32[24,64,48]``) that the compiled program's entry
+    computation takes or makes, how many of its instructions read it (tuples that only pass
+    it on, to the overflow fallback's `conditional` or out, left aside)."""
+    entry = text[text.index("ENTRY") :].splitlines()
+    defined = re.compile(r"^\s*(?:ROOT )?(%\S+) = " + re.escape(shape) + r"\{")
+    names = [m.group(1) for m in map(defined.match, entry) if m]
+    consumers = [line.split("=", 1)[1] for line in entry if "=" in line and " tuple(" not in line]
+    return [
+        sum(len(re.findall(re.escape(name) + r"(?![\w.])", line)) for line in consumers)
+        for name in names
+    ]
+
+
 def test_group_norms_cost_no_second_pass_over_the_gradients():
     """The per-leaf norms come from the global norm's own partial sums: outside the rare
-    overflow fallback, the compiled program reads each stack of leaves as often with groups as
+    overflow fallback, the compiled program reads each stack of leaves once, with groups as
     without (XLA would otherwise fuse a second reduction of the squares)."""
     leaves = {f"layer{i}": jnp.ones((100,)) for i in range(300)}
 
     def reads_of_the_stacks(spec):
         tx = optclip.global_clip(1.0, group_norms=spec)
         text = jax.jit(tx.update).lower(leaves, tx.init(leaves)).compile().as_text()
-        entry = text[text.index("ENTRY") :]
-        return sum(
-            line.split("=", 1)[1].count("f32[128,100]")
-            for line in entry.splitlines()
-            if "=" in line and "concatenate(" not in line
-        )
+        return reads_in_entry(text, "f32[128,100]")
 
-    assert reads_of_the_stacks("leaf") == reads_of_the_stacks(None)
+    assert reads_of_the_stacks("leaf") == reads_of_the_stacks(None) == [1, 1]
+
+
+def test_per_layer_norms_cost_no_second_pass_over_the_gradients():
+    """A stacked leaf is reduced once, over every axis but its layer axis (one partial sum per
+    layer): the compiled program reads it twice (its norm, then the scaling) with per-layer
+    groups as without groups, and as without `stacked` (a reduction to one partial sum)."""
+    grads = {"blocks": {k: jnp.ones((24, 64, 48)) for k in "abc"}, "head": jnp.ones((64, 48))}
+
+    def reads_of_the_stacked_leaves(spec, stacked):
+        tx = optclip.global_clip(1.0, group_norms=spec, stacked=stacked)
+        text = jax.jit(tx.update).lower(grads, tx.init(grads)).compile().as_text()
+        return reads_in_entry(text, "f32[24,64,48]")
+
+    plain = reads_of_the_stacked_leaves(None, None)
+    assert plain == [2, 2, 2, 0, 0, 0]  # the three leaves, then the three scaled updates
+    assert reads_of_the_stacked_leaves("layer", "blocks") == plain
+    assert reads_of_the_stacked_leaves("leaf", "blocks") == plain
+    assert reads_of_the_stacked_leaves(None, "blocks") == plain
 
 
 def test_group_norms_is_a_readable_checkpointable_pytree():

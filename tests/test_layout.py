@@ -20,7 +20,9 @@ LAYERS = [
     ["_errors"],  # errors raised from a compiled step, and `reraise_errors`
     ["_checks"],  # argument validation and its messages
     ["_norm_rules"],  # norms from elementwise terms: fallback, batching and derivative rules
-    ["_axes", "_groups"],  # which mesh axes split each leaf; which group each leaf is in
+    ["_axes"],  # which mesh axes split each leaf
+    ["_layers"],  # key paths; which leaves stack layers, and how the mesh splits them
+    ["_groups"],  # which group each leaf is in
     ["_norms"],  # the norm of leaves and trees (stacking, buckets, devices)
     ["_functional"],  # TensorFlow's clipping functions
     ["_per_example"],  # per-example (DP-SGD) clipping

@@ -10,7 +10,9 @@ global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding), or an err
   compiled HLO: small all-reduces, no all-gather); ``axis_name`` inside ``shard_map`` and
   ``pmap`` in every accepted form, checked (unbound axes, replicated leaves declared split,
   undeclared axes) and inferred (``None``/``"auto"``); group norms; float16/bfloat16, overflow
-  and underflow, ``ord``; eager leaves on different devices; and optax's own clip inside
+  and underflow, ``ord``; per-layer norms of stacked leaves whose layer axis is sharded under
+  jit, split inside ``shard_map`` and ``pmap``, or not split; eager leaves on different
+  devices; and optax's own clip inside
   ``shard_map`` using each device's local norm.
 * ``distributed.py``, 2 processes x 2 CPU devices joined by ``jax.distributed`` over 127.0.0.1
   (gloo collectives; slow tier): a sharded gradient tree clipped inside a jitted
@@ -57,6 +59,7 @@ MULTIDEVICE_GROUPS = [
     "axis-checks",
     "auto",
     "groups",
+    "layers",
     "devices",
     "split-check",
 ]

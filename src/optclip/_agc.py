@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optclip import _axes, _checks, _functional, _groups, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _layers, _norms, _steps
 from optclip._groups import GroupNorms
 
 
@@ -39,6 +39,15 @@ def _unit_axes(shape: tuple, axis, path) -> tuple:
     if ndim in (2, 3):
         return (0,)
     return tuple(range(ndim - 1))
+
+
+def _layer_unit_axes(shape: tuple, axis, path, stack) -> tuple:
+    """`_unit_axes` of a leaf; for a leaf that stacks layers (`stack`), those of each layer's
+    slice, so that its units are the unrolled model's (the layer axis is never reduced)."""
+    if stack is None:
+        return _unit_axes(shape, axis, path)
+    inner = _unit_axes(shape[: stack.axis] + shape[stack.axis + 1 :], axis, path)
+    return tuple(d + (d >= stack.axis) for d in inner)
 
 
 def _split_axes(spec, dims) -> tuple:
@@ -82,7 +91,7 @@ def _agc_specs(paths_and_updates, updates, axis_name) -> list:
 
 
 def agc(
-    clipping=0.01, eps=1e-3, *, axis=None, axis_name=None, group_norms=None
+    clipping=0.01, eps=1e-3, *, axis=None, axis_name=None, group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
     r"""Adaptive gradient clipping: each unit's update limited relative to its parameter's norm.
 
@@ -122,6 +131,10 @@ def agc(
         decides the unit norms, and JAX does not track that).
       group_norms: also keep the pre-clip norm of groups of leaves in the state, from the unit
         norms (no second pass): as in :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers, as in :func:`optclip.global_clip`. A
+        stacked leaf's units are those of each layer's slice (the unrolled model's: the rule
+        above and `axis` apply to the slice), where optax's rule would take a
+        ``(layers, in, out)`` kernel for a multi-head one and mix the layers in each unit.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AGCState`: ``global_norm``
@@ -131,7 +144,8 @@ def agc(
 
     Raises:
       ValueError: a concrete negative or NaN `clipping` or `eps`, or one that is not 0-d; at
-        update, ``params=None``, params that do not match the updates, or `axis` out of range.
+        update, ``params=None``, params that do not match the updates, or `axis` out of range;
+        a `group_norms` or `stacked` that does not fit (as in :func:`optclip.global_clip`).
       TypeError: `axis` is not None, an int or ints; `axis_name` is not one of the accepted
         forms; at update, an integer or boolean leaf (the message names its path).
 
@@ -166,11 +180,14 @@ def agc(
     )
 
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
         return AGCState(
-            jnp.zeros((), dtype), jnp.zeros((), dtype), _groups.init(group_norms, params, dtype)
+            jnp.zeros((), dtype),
+            jnp.zeros((), dtype),
+            _groups.init(group_norms, params, dtype, stacked, axis_name, "agc"),
         )
 
     def update_fn(updates, state, params=None):
@@ -188,8 +205,9 @@ def agc(
                 f"{treedef} and params {param_treedef}."
             )
         specs = _agc_specs(paths_and_updates, updates, axis_name)
+        leaf_stacks = _layers.stacks(stacked, updates)
         out, unit_norms, unit_limits, kept_axes = [], [], [], []
-        for (path, g), w, spec in zip(paths_and_updates, param_leaves, specs):
+        for (path, g), w, spec, stack in zip(paths_and_updates, param_leaves, specs, leaf_stacks):
             _checks.check_float_leaf(path, g, "agc")
             _checks.check_float_leaf(path, w, "agc")
             g, w = jnp.asarray(g), jnp.asarray(w)
@@ -199,7 +217,7 @@ def agc(
                     f"`{_checks.leaf_name(path)}` has update shape {g.shape} and parameter "
                     f"shape {w.shape}."
                 )
-            dims = _unit_axes(_global_shape(g.shape, spec), axis, path)
+            dims = _layer_unit_axes(_global_shape(g.shape, spec), axis, path, stack)
             mesh_axes = _split_axes(spec, dims)
             g_norm = _norms.all_reduce_norm(_norms.leaf_norm(g, 2.0, dims), mesh_axes)
             w_norm = _norms.all_reduce_norm(_norms.leaf_norm(w, 2.0, dims), mesh_axes)
@@ -216,7 +234,7 @@ def agc(
             kept_axes.append(_split_axes(spec, kept) if isinstance(spec, PartitionSpec) else ())
         # Every element lies in exactly one unit: the norm of the unit norms is the global norm
         # (and, bucket by bucket, each group's norm).
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "agc")
+        buckets = _groups.layout(group_norms, stacked, updates, state.group_norms, "agc", axis_name)
         norm, bucket_norms = _norms.tree_norms(unit_norms, kept_axes, 2.0, buckets)
         state = AGCState(
             global_norm=norm.astype(state.global_norm.dtype),

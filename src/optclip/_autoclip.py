@@ -50,7 +50,13 @@ def _percentile(values, filled, q):
 
 
 def autoclip(
-    percentile=10.0, history=1000, *, axis_name=None, nonfinite="propagate", group_norms=None
+    percentile=10.0,
+    history=1000,
+    *,
+    axis_name=None,
+    nonfinite="propagate",
+    group_norms=None,
+    stacked=None,
 ) -> optax.GradientTransformation:
     r"""AutoClip: a global clip at a percentile of the recent gradient norms.
 
@@ -77,6 +83,8 @@ def autoclip(
         :func:`optclip.global_clip`.
       group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
         :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers (per-layer norms), as in
+        :func:`optclip.global_clip`.
 
     Returns:
       An ``optax.GradientTransformation`` whose state is an :class:`AutoClipState`:
@@ -86,7 +94,8 @@ def autoclip(
 
     Raises:
       ValueError: `percentile` outside [0, 100] or not 0-d; `history` not an int >= 1; unknown
-        `nonfinite`.
+        `nonfinite`; a `group_norms` or `stacked` that does not fit (as in
+        :func:`optclip.global_clip`).
       TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); `axis_name` is not
         one of the accepted forms; at update, an integer or boolean leaf.
 
@@ -108,6 +117,7 @@ def autoclip(
     _axes.check_axis_name(axis_name)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
     size = int(history)
 
     def init_fn(params):
@@ -121,13 +131,15 @@ def autoclip(
             clip_count=_steps.counter(),
             nonfinite_count=_steps.counter(),
             scale=jnp.ones((), dtype),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "autoclip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.norms.dtype
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "autoclip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "autoclip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "autoclip", buckets)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)

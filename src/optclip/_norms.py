@@ -6,7 +6,9 @@ rules are `_norm_rules`'; this module decides what is reduced together:
 * Many leaves: small leaves of one shape, dtype and sharding are stacked and reduced together, so
   compile time does not grow with one kernel per leaf.
 * Groups: the partial sums of the leaves are collected into buckets (one per group of leaves,
-  for per-layer norms) before they are combined, so group norms cost no second pass.
+  for per-layer norms) before they are combined, so group norms cost no second pass. A leaf that
+  stacks layers (``stacked=``) is reduced over all axes but its layer axis: one partial sum per
+  layer, each collected into its layer's bucket.
 * Devices: partial sums of leaves split over mesh axes are all-reduced (`psum`, or `pmax` for the
   infinity norm) over exactly those axes, once per distinct set of axes; replicated leaves are
   counted once. Eager leaves committed to different devices are reduced where they are and their
@@ -25,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optclip import _axes, _checks, _norm_rules
+from optclip import _axes, _checks, _groups, _layers, _norm_rules
 from optclip._norm_rules import accum_dtype, max_over, sum_over, widest_accum_dtype
 
 # Leaves with at most this many elements are stacked with others of their shape before reducing.
@@ -102,41 +104,65 @@ class _Piece(NamedTuple):
     leaves: tuple  # the indices of the leaves in `array` (one if not stacked)
     axes: tuple  # the mesh axes it is split over
     place: frozenset | None  # its devices, for eager arrays committed to them
+    layer_axis: int | None = None  # its leaves' layer axis (`stacked=`: a partial sum per layer)
+    split: tuple = ()  # the mesh axes that split the layer axis (a device holds some layers)
+
+    @property
+    def layers(self) -> int:
+        """The partial sums of each of its leaves: its layers here, or one."""
+        if self.layer_axis is None:
+            return 1
+        return self.array.shape[self.layer_axis + (len(self.leaves) > 1)]
+
+
+def _concat_ids(parts):
+    if all(isinstance(x, np.ndarray) for x in parts):
+        return np.concatenate(parts)
+    return jnp.concatenate([jnp.asarray(x) for x in parts])
 
 
 class _View(NamedTuple):
-    """One way of collecting the leaves' partial sums: into `size` buckets, leaf i into
-    ``buckets[i]`` (the groups of `group_norms`, or one bucket for the global norm)."""
+    """One way of collecting the leaves' partial sums: into `size` buckets, leaf i's into
+    ``buckets[i]`` (the groups of `group_norms`, or one bucket for the global norm; for a leaf
+    stacking layers, a tuple: one bucket per layer of the whole model)."""
 
     buckets: tuple
     size: int
     offset: int  # where this view's norms start in the vector of every view's norms
 
-    def ids(self, piece) -> tuple:
-        return tuple(self.buckets[i] for i in piece.leaves)
+    def ids(self, piece):
+        """The bucket of each partial sum of `piece`, leaf by leaf and layer by layer."""
+        return _concat_ids(
+            [_layers.bucket_ids(self.buckets[i], piece.layers, piece.split) for i in piece.leaves]
+        )
 
     def expand(self, values, piece, a):
         """This view's part of `values` (every view's norms) broadcast against `a`, the piece's
-        array: one value for the piece, or one per leaf of a stack over several buckets."""
+        array: one value for the piece, or one per leaf of a stack and per layer of the leaves
+        that stack layers."""
         values = values[self.offset : self.offset + self.size]
         ids = self.ids(piece)
-        if len(set(ids)) == 1:
+        if isinstance(ids, np.ndarray) and np.all(ids == ids[0]):
             return on_devices_of(values[ids[0]], a)
-        v = values[np.asarray(ids)]
-        return on_devices_of(v.reshape(v.shape + (1,) * (a.ndim - 1)), a)
+        shape = [1] * a.ndim
+        several = len(piece.leaves) > 1
+        if several:
+            shape[0] = len(piece.leaves)
+        if piece.layer_axis is not None:
+            shape[piece.layer_axis + several] = piece.layers
+        return on_devices_of(values[ids].reshape(shape), a)
 
 
 def _views(buckets: tuple, n: int) -> list[_View]:
-    """The global norm's view of `n` leaves (one bucket), after the groups' view if there are
-    groups."""
+    """The global norm's view of `n` leaves (one bucket), after the groups' view if any."""
     everything = _View((0,) * n, 1, 0)
     if not buckets:
         return [everything]
-    count = max(buckets) + 1
+    count = 1 + max((max(b, default=0) if isinstance(b, tuple) else b for b in buckets), default=0)
     return [_View(buckets, count, 0), everything._replace(offset=count)]
 
 
-def _stack_leaves(leaves, leaf_axes) -> list[_Piece]:
+def _stack_leaves(leaves, leaf_axes, layout) -> list[_Piece]:
     """The pieces to reduce: big leaves alone, small ones stacked with their like (shape, dtype,
     mesh axes, sharding, devices), at most `STACK_CHUNK` to a stack.
 
@@ -144,22 +170,24 @@ def _stack_leaves(leaves, leaf_axes) -> list[_Piece]:
     elementwise work, so that the norm's program has a few operations per stack rather than a
     few per leaf (with 2000 leaves, that is the difference between ~1 s and ~1 min of
     compilation on CPU). Leaves of different groups share stacks: a stack is then reduced leaf
-    by leaf, still in one operation.
+    by leaf, still in one operation. Leaves that stack layers (`layout.layer_axes`) are stacked
+    only with leaves of the same layer axis and split.
     """
     pieces: list[_Piece] = []
     groups: dict[tuple, list[int]] = {}
     for index, (x, axes) in enumerate(zip(leaves, leaf_axes)):
         place = placement(x)
+        layer_axis, split = layout.layer_axes[index], layout.splits[index]
         if x.size > STACK_MAX_SIZE:
-            pieces.append(_Piece(x, (index,), axes, place))
+            pieces.append(_Piece(x, (index,), axes, place, layer_axis, split))
             continue
-        key = (x.shape, x.dtype, axes, _sharding_key(x), place)
+        key = (x.shape, x.dtype, axes, _sharding_key(x), place, layer_axis, split)
         groups.setdefault(key, []).append(index)
-    for (_, _, axes, _, place), indices in groups.items():
+    for (_, _, axes, _, place, layer_axis, split), indices in groups.items():
         for start in range(0, len(indices), STACK_CHUNK):
             chunk = tuple(indices[start : start + STACK_CHUNK])
             array = leaves[chunk[0]] if len(chunk) == 1 else jnp.stack([leaves[i] for i in chunk])
-            pieces.append(_Piece(array, chunk, axes, place))
+            pieces.append(_Piece(array, chunk, axes, place, layer_axis, split))
     return pieces
 
 
@@ -167,19 +195,33 @@ def _segment(values, ids, count: int, how: str):
     """`values` summed (or maxed) into `count` buckets by the static `ids`."""
     if count == 1:
         return jnp.sum(values, keepdims=True) if how == "sum" else jnp.max(values, keepdims=True)
-    if len(ids) == count and np.array_equal(np.sort(ids), np.arange(count)):
+    static = isinstance(ids, np.ndarray)
+    if static and len(ids) == count and np.array_equal(np.sort(ids), np.arange(count)):
         return values[np.argsort(ids)]  # one leaf a bucket: a static permutation
     if how == "sum":
         return jax.ops.segment_sum(values, jnp.asarray(ids), count)
     return jnp.maximum(jax.ops.segment_max(values, jnp.asarray(ids), count), 0)
 
 
+def _replicated(x):
+    """`x` replicated over its mesh if it is sharded over explicit mesh axes (the partial sums of
+    a leaf whose layer axis is sharded): JAX would not concatenate it with other partial sums."""
+    sharding = _sharding_key(x)
+    if not isinstance(sharding, NamedSharding) or all(entry is None for entry in sharding.spec):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, PartitionSpec()))
+
+
 def _per_leaf(piece, a, reducer):
-    """`a` (a piece's array after elementwise work) reduced leaf by leaf: shape (k,) for a stack
-    of k leaves, (1,) for a single leaf."""
-    if len(piece.leaves) > 1:
-        return reducer(a, tuple(range(1, a.ndim)))
-    return reducer(a, None).reshape(1)
+    """`a` (a piece's array after elementwise work) reduced leaf by leaf, and layer by layer for
+    leaves that stack layers: shape (k * layers,) for a stack of k leaves."""
+    keep = (0,) if len(piece.leaves) > 1 else ()
+    if piece.layer_axis is not None:
+        keep += (piece.layer_axis + len(keep),)
+    if not keep:
+        return reducer(a, None).reshape(1)
+    partials = reducer(a, tuple(d for d in range(a.ndim) if d not in keep))
+    return _replicated(partials).reshape(-1)
 
 
 def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
@@ -208,7 +250,7 @@ def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
                 # reduction of `x`, which then runs once for the global norm and once for the
                 # groups; with it, every view sums the same partials, computed once.
                 partials[id(view_terms)] = lax.optimization_barrier(vector)
-            ids = np.concatenate([np.asarray(view.ids(pieces[i]), np.int32) for i in members])
+            ids = _concat_ids([view.ids(pieces[i]) for i in members])
             vectors.append(_segment(partials[id(view_terms)], ids, view.size, how))
         vector = vectors[0] if len(vectors) == 1 else jnp.concatenate(vectors)
         if axes:
@@ -277,22 +319,26 @@ def _norms_traced_order(pieces, views, p, dtype):
     return lax.switch(index, branches)
 
 
-def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets: Sequence[int] = ()):
+def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets=()):
     """``(global norm, bucket norms)`` of `leaves`: the `p`-norm of all of them together, and of
     each bucket of them (`buckets[i]` is leaf i's, numbered from 0; without `buckets`, the
-    bucket norms are just the global norm, shape (1,)).
+    bucket norms are just the global norm, shape (1,)); or a `_groups.Layout`, where leaves that
+    stack layers have a bucket per layer.
 
     `leaf_axes[i]` are the mesh axes leaf i is split over; `p` is a Python float from
     `_checks.check_ord`, or a traced order. The bucket norms come from the same partial sums as
     the global norm (no second pass over the leaves), and the global norm is the same, bit for
-    bit, with or without buckets.
+    bit, with or without buckets (given the same layer axes).
     """
-    buckets = tuple(buckets)
-    views = _views(buckets, len(leaves))
+    n = len(leaves)
+    if not isinstance(buckets, _groups.Layout):
+        buckets = _groups.Layout(tuple(buckets or ()), (None,) * n, ((),) * n)
+    layout = buckets
+    views = _views(layout.buckets, n)
     dtype = widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
         return jnp.zeros((), dtype), jnp.zeros((views[0].size,), dtype)
-    pieces = _stack_leaves(leaves, leaf_axes)
+    pieces = _stack_leaves(leaves, leaf_axes, layout)
     if _norm_rules.is_static(p):
         norms = _norms_for_order(pieces, views, p, dtype)
     else:
@@ -333,7 +379,7 @@ def float_leaves(tree, what: str):
     return leaves
 
 
-def norms_of(tree, p, axis_name, what: str, buckets: Sequence[int] = ()):
+def norms_of(tree, p, axis_name, what: str, buckets: Sequence[int] | _groups.Layout | None = ()):
     """``(global norm, bucket norms)`` of a checked tree (`p` from `_checks.check_ord`), reduced
     over the mesh axes `axis_name` gives or JAX's tracking infers (`_axes.leaf_axes`)."""
     leaves = float_leaves(tree, what)

@@ -243,7 +243,7 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
 
 
 def global_clip(
-    max_norm, *, ord=2, axis_name=None, nonfinite="propagate", group_norms=None
+    max_norm, *, ord=2, axis_name=None, nonfinite="propagate", group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
     r"""Scales the whole update by one factor so that its global norm is at most `max_norm`.
 
@@ -275,9 +275,23 @@ def global_clip(
         turns back into this one). Each such step is counted in ``nonfinite_count``.
       group_norms: also keep the pre-clip norm of groups of leaves (per layer, per leaf) in the
         state, computed from the same partial sums as the global norm: None (default), ``"leaf"``
-        (one group per leaf), an int ``k >= 1`` (the leaves under each key path of depth ``k``
-        form a group), or a function of a leaf's key path returning its group's name (or None).
+        (one group per leaf), ``"layer"`` (one group per layer of the `stacked` leaves, every
+        other leaf its own group), an int ``k >= 1`` (the leaves under each key path of depth
+        ``k`` form a group; in a Flax ``{"params": ...}`` dict the depth counts the keys under
+        ``"params"``), or a function of a leaf's key path returning its group's name (or None).
         Read them with ``state.group_norms["name"]`` or :func:`optclip.metrics`.
+      stacked: the subtrees whose leaves stack the layers of a scanned model along a layer axis
+        (``nn.scan``, ``nnx.vmap``, MaxText, Levanter): a key path (``"blocks"``,
+        ``"decoder/layers"``; a Flax dict's lone ``"params"`` key may be left out), a list of
+        key paths (layer axis 0), or a dict from key paths to layer axes
+        (``{"decoder/layers": 1}``). Each such leaf is reduced over all axes but its layer axis
+        (one partial sum per layer, in the same one read of the gradients), and layer ``i`` of
+        the leaf at ``blocks/attn/w`` is named ``blocks/i/attn/w``, as in the unrolled model,
+        for every `group_norms` spec. Given the same `stacked`, the global norm and the update
+        are the same bits with or without `group_norms`. Inside ``shard_map``/``pmap`` a device
+        may hold some of the layers: which mesh axes split the layer axis comes from
+        `axis_name`'s ``PartitionSpec``\ s, or from the number of layers `init` saw (call it on
+        the global parameters).
 
     Returns:
       An ``optax.GradientTransformation`` whose state is a :class:`GlobalClipState` with
@@ -288,10 +302,13 @@ def global_clip(
 
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN; unknown `ord`, `nonfinite` or
-        `group_norms`; at update, an `axis_name` that is not bound or does not match how the
-        leaves vary over the mesh (:class:`AxisNameError`).
-      TypeError: `axis_name` is not one of the accepted forms; at update, an integer or boolean
-        leaf (the message names its path).
+        `group_norms`; ``group_norms="layer"`` without `stacked`; at update, an `axis_name` that
+        is not bound or does not match how the leaves vary over the mesh (:class:`AxisNameError`);
+        at init and update, a `stacked` key path that holds no leaf, a leaf without the layer
+        axis, or leaves of one stack with different numbers of layers (the message names them).
+      TypeError: `axis_name` is not one of the accepted forms; `stacked` that is not a key path,
+        list or dict, or a layer axis that is not an int; at update, an integer or boolean leaf
+        (the message names its path).
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
 
     Warns:
@@ -310,6 +327,15 @@ def global_clip(
       >>> print(state[0].group_norms["w"], state[0].group_norms["b"], state[0].scale)
       5.0 12.0 0.5
 
+      A scanned model's blocks, stacked along axis 0, one norm per layer:
+
+      >>> tx = optclip.global_clip(1.0, stacked="blocks", group_norms="layer")
+      >>> grads = {"blocks": {"w": jnp.array([[3., 4.], [0., 1.], [6., 8.]])},
+      ...          "head": jnp.array([2.])}
+      >>> _, state = tx.update(grads, tx.init(grads))
+      >>> print(list(state.group_norms), state.group_norms.values)
+      ['blocks/0', 'blocks/1', 'blocks/2', 'head'] [ 5.  1. 10.  2.]
+
     References:
       Pascanu et al., 2013, On the difficulty of training recurrent neural networks,
       https://arxiv.org/abs/1211.5063
@@ -322,6 +348,7 @@ def global_clip(
     _checks.warn_if_nonpositive(
         max_norm, f"global_clip(max_norm={max_norm!r})", _NO_CLIP_GLOBAL_CLIPNORM
     )
+    stacked = _groups.check_stacked(stacked, group_norms)
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
@@ -334,13 +361,15 @@ def global_clip(
             threshold=_functional.threshold_as(
                 _steps.threshold_at(max_norm, _steps.counter()), dtype
             ),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "global_clip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         threshold = _steps.threshold_at(max_norm, state.step)
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "global_clip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "global_clip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, p, axis_name, "global_clip", buckets)
         updates, scale = _nonfinite.clip_to_threshold(
             updates, norm, threshold, nonfinite, "global_clip"

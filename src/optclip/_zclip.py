@@ -92,6 +92,7 @@ def zclip(
     axis_name=None,
     nonfinite="propagate",
     group_norms=None,
+    stacked=None,
 ) -> optax.GradientTransformation:
     r"""ZClip: a global clip when the norm is an outlier against its EMA mean and variance.
 
@@ -144,6 +145,8 @@ def zclip(
         :func:`optclip.global_clip`.
       group_norms: also keep the pre-clip norm of groups of leaves in the state, as in
         :func:`optclip.global_clip`.
+      stacked: the subtrees whose leaves stack layers (per-layer norms), as in
+        :func:`optclip.global_clip`.
 
     Every numeric argument may be traced (``optax.inject_hyperparams``); the state's shape does
     not depend on any of them.
@@ -159,7 +162,8 @@ def zclip(
     Raises:
       ValueError: `alpha` outside (0, 1); `z_thresh`, `clip_factor` or `eps` not > 0;
         `warmup_steps` not an int >= 1; unknown `mode`, `clip_option` or `nonfinite`; a number
-        that is not 0-d.
+        that is not 0-d; a `group_norms` or `stacked` that does not fit (as in
+        :func:`optclip.global_clip`).
       TypeError: `skip_update_on_spike` not a bool; `axis_name` not one of the accepted forms;
         at update, an integer or boolean leaf.
 
@@ -200,6 +204,7 @@ def zclip(
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     _axes.check_axis_name(axis_name)
     group_norms = _groups.check_spec(group_norms)
+    stacked = _groups.check_stacked(stacked, group_norms)
     rule = _Rule(alpha, z_thresh, mode, clip_option, clip_factor, skip_update_on_spike, eps)
 
     def cap_at(step, dtype):
@@ -218,13 +223,15 @@ def zclip(
             spike_count=_steps.counter(),
             nonfinite_count=_steps.counter(),
             scale=jnp.ones((), dtype),
-            group_norms=_groups.init(group_norms, params, dtype),
+            group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "zclip"),
         )
 
     def update_fn(updates, state, params=None):
         del params
         dtype = state.mean.dtype
-        buckets = _groups.buckets(group_norms, updates, state.group_norms, "zclip")
+        buckets = _groups.layout(
+            group_norms, stacked, updates, state.group_norms, "zclip", axis_name
+        )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "zclip", buckets)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)

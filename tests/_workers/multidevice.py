@@ -762,7 +762,180 @@ def group_checks():
 
 
 # ----------------------------------------------------------------------------------------------
-# 11. Eager leaves on different devices (PyTorch's test_clip_grad_norm_multi_device).
+# 11. Stacked layers (``stacked=``): the layer axis sharded under jit (pipeline-style), split
+#     inside shard_map and pmap (each device holds some layers), or not split.
+
+LAYERS = 8
+
+
+def layer_tree(rng):
+    """A scanned model's gradients: blocks stacked along axis 0 (one leaf per weight, one layer
+    with a square that overflows float32) and leaves outside the stack, with `PartitionSpec`s on
+    the ("data"=4, "model"=2) mesh that split the layer axis over "data"."""
+
+    def leaf(*shape):
+        return (10.0 ** rng.uniform(-1, 1) * rng.standard_normal(shape)).astype(np.float32)
+
+    blocks = {"w": leaf(LAYERS, 6, 4), "b": leaf(LAYERS, 4), "scale": leaf(LAYERS)}
+    blocks["w"][5, 0, 0] = 4e20  # (layer 5 is on the third device along "data")
+    tree = {"blocks": blocks, "head": leaf(4, 3), "embed": leaf(8, 4)}
+    specs = {
+        "blocks": {"w": P("data", None, "model"), "b": P("data"), "scale": P("data")},
+        "head": P(),
+        "embed": P(None, "model"),
+    }
+    return tree, specs
+
+
+def ref_layer_groups(tree, spec, stacked="blocks", p=2.0):
+    """The float64 group norms of `tree` with its stacked leaves seen layer by layer."""
+    names, buckets = optclip._groups.assign(spec, tree, optclip._groups.check_stacked(stacked))
+    members: list[list] = [[] for _ in names]
+    for x, b in zip(jax.tree.leaves(tree), buckets):
+        for layer, bucket in enumerate(b) if isinstance(b, tuple) else [(None, b)]:
+            if bucket < len(names):
+                members[bucket].append(x if layer is None else np.take(x, layer, 0))
+    return np.array([reference.ref_global_norm(m, p) for m in members])
+
+
+def check_small_collectives(name, compiled_text, max_elements):
+    """Every collective moves at most `max_elements` floats: partial sums, never a gradient."""
+    sizes = []
+    for line in compiled_text.splitlines():
+        match = re.search(r"=\s*(.*?)\s+(?:all-reduce|all-gather|all-to-all)(?:-start)?\(", line)
+        if match:
+            dims = re.findall(r"\[([^\]]*)\]", match.group(1))
+            sizes += [math.prod(int(n) for n in d.split(",") if n) for d in dims]
+    record(name, bool(sizes) and max(sizes) <= max_elements, note=f"collective sizes {sizes}")
+
+
+def layer_checks():
+    rng = np.random.default_rng(10)
+    tree, specs = layer_tree(rng)
+    norm = ref_norm(tree)
+
+    def clip(t, spec, axis_name=None, p=2.0, stacked="blocks", state=None):
+        tx = optclip.global_clip(1.0, axis_name=axis_name, group_norms=spec, ord=p, stacked=stacked)
+        updates, state = tx.update(t, tx.init(tree) if state is None else state)
+        values = None if state.group_norms is None else state.group_norms.values
+        return updates, state.global_norm, values
+
+    for kind, mesh in (("explicit", mesh_2d()), ("auto", mesh_2d(AxisType.Auto))):
+        g = put(tree, specs, mesh)
+        for spec in ("layer", "leaf"):
+            fn = jax.jit(lambda t, s=spec: clip(t, s))
+            updates, got_norm, values = fn(g)
+            check(f"layers/jit-{kind}/{spec}/values", values, ref_layer_groups(tree, spec))
+            check(f"layers/jit-{kind}/{spec}/norm", got_norm, norm)
+            plain_updates, plain_norm, _ = jax.jit(lambda t: clip(t, None))(g)
+            same = np.array_equal(plain_norm, got_norm) and all(
+                np.array_equal(a, b)
+                for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(plain_updates))
+            )
+            record(f"layers/jit-{kind}/{spec}/bit_for_bit_without_groups", same)
+        check_small_collectives(
+            f"layers/hlo/jit-{kind}",
+            jax.jit(lambda t: clip(t, "layer")).lower(g).compile().as_text(),
+            max_elements=2 * LAYERS,
+        )
+
+    mesh = mesh_2d()
+    g = put(tree, specs, mesh)
+    want = {s: ref_layer_groups(tree, s) for s in ("layer", "leaf")}
+    out = (specs, P(), P())
+    for spec in ("layer", "leaf"):
+        for label, axis_name in (("specs", specs), ("auto", None)):
+            fn = smap(lambda t, s=spec, a=axis_name: clip(t, s, a), mesh, (specs,), out)
+            updates, got_norm, values = fn(g)
+            check(f"layers/shard_map-{label}/{spec}/values", values, want[spec])
+            check(f"layers/shard_map-{label}/{spec}/norm", got_norm, norm)
+            plain = smap(lambda t, a=axis_name: clip(t, None, a), mesh, (specs,), out)(g)
+            same = np.array_equal(plain[1], got_norm) and all(
+                np.array_equal(a, b)
+                for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(plain[0]))
+            )
+            record(f"layers/shard_map-{label}/{spec}/bit_for_bit_without_groups", same)
+    fn = smap(lambda t: clip(t, "layer", p=math.inf)[2], mesh, (specs,), P())
+    check("layers/shard_map-inf", fn(g), ref_layer_groups(tree, "layer", p=math.inf))
+    check_small_collectives(
+        "layers/hlo/shard_map",
+        smap(lambda t: clip(t, "layer")[2], mesh, (specs,), P()).lower(g).compile().as_text(),
+        max_elements=2 * LAYERS,
+    )
+
+    # The layer axis not split (only the other dimensions are): no offsets.
+    rows = {
+        "blocks": {"w": P(None, None, "model"), "b": P(), "scale": P()},
+        "head": P(),
+        "embed": P(),
+    }
+    fn = smap(lambda t: clip(t, "layer")[2], mesh, (rows,), P())
+    check("layers/shard_map-unsplit", fn(put(tree, rows, mesh)), want["layer"])
+
+    # Split over both mesh axes (one layer a device): the specs say in which order.
+    both = {"blocks": {k: P(("data", "model")) for k in tree["blocks"]}, "head": P(), "embed": P()}
+    fn = smap(lambda t: clip(t, "layer", both)[2], mesh, (both,), P())
+    check("layers/shard_map-two-axes", fn(put(tree, both, mesh)), want["layer"])
+    fn = smap(lambda t: clip(t, "layer")[2], mesh, (both,), P())
+    expect_error(
+        "layers/errors/which_axes",
+        lambda: fn(put(tree, both, mesh)),
+        ValueError,
+        r"stacked leaf `blocks/b` holds 1 of its 8 layers here \(its group norms were made by "
+        r"`init` for 8\), .* Pass shard_map's `in_specs`",
+    )
+
+    # `init` inside shard_map: each device sees its piece; with the specs it knows the split.
+    def init_inside(t, axis_name):
+        tx = optclip.global_clip(1.0, group_norms="layer", stacked="blocks", axis_name=axis_name)
+        return tx.update(t, tx.init(t))[1].group_norms.values
+
+    check(
+        "layers/shard_map-init-inside",
+        smap(lambda t: init_inside(t, specs), mesh, (specs,), P())(g),
+        want["layer"],
+    )
+    expect_error(
+        "layers/errors/init_inside",
+        lambda: smap(lambda t: init_inside(t, None), mesh, (specs,), P())(g),
+        ValueError,
+        r"`global_clip`'s `init` runs inside shard_map on each device's piece of stacked leaf "
+        r"`blocks/b`, which varies over mesh axes \['data'\]",
+    )
+
+    # AGC: units of each layer's slice, the layer axis split over "data".
+    params = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), tree)
+    agc = optclip.agc(0.05, axis_name=specs, stacked="blocks", group_norms="layer")
+    one = optclip.agc(0.05, stacked="blocks", group_norms="layer")
+
+    def agc_step(tx, p, t):
+        updates, state = tx.update(t, tx.init(params), p)
+        return updates, state.group_norms.values
+
+    got = smap(lambda p, t: agc_step(agc, p, t), mesh, (specs, specs), (specs, P()))(
+        put(params, specs, mesh), g
+    )
+    check("layers/agc/shard_map", got, jax.jit(lambda p, t: agc_step(one, p, t))(params, tree))
+    check("layers/agc/values", got[1], want["layer"])
+
+    # pmap: one layer a device, the split inferred from the layers the state was made for.
+    n = jax.device_count()
+    stack = {
+        "w": rng.standard_normal((n, 3, 2)).astype(np.float32),
+        "b": rng.standard_normal((n, 2)).astype(np.float32),
+    }
+    tx = optclip.global_clip(1.0, group_norms="layer", stacked="blocks", axis_name="i")
+    state = tx.init({"blocks": stack})
+    split = jax.tree.map(lambda x: x[:, None], stack)  # (devices, 1 layer, ...)
+    values = jax.pmap(
+        lambda t: tx.update({"blocks": t}, state)[1].group_norms.values, axis_name="i"
+    )(split)
+    want_pmap = ref_layer_groups({"blocks": stack}, "layer")
+    check("layers/pmap", values, np.broadcast_to(want_pmap, (n, n)))
+
+
+# ----------------------------------------------------------------------------------------------
+# 12. Eager leaves on different devices (PyTorch's test_clip_grad_norm_multi_device).
 
 
 def device_checks():
@@ -959,6 +1132,8 @@ def main():
         auto_checks()
     with group("groups"):
         group_checks()
+    with group("layers"):
+        layer_checks()
     with group("devices"):
         device_checks()
     with group("split-check"):
