@@ -9,7 +9,7 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-per_example, groups, memory, accuracy.
+per_example, groups, adaptive, memory, accuracy.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ SECTIONS = (
     "bf16",
     "per_example",
     "groups",
+    "adaptive",
     "memory",
     "accuracy",
 )
@@ -461,6 +462,45 @@ class Suite:
                 ref_name="no groups",
             )
         )
+
+    def adaptive(self) -> None:
+        """AdaGC (a threshold per leaf, from its own EMA) in a clip+adam step, against the
+        global clip users have today: there is no JAX AdaGC. The transformer tree, float32;
+        AdaGC past its warm-up (both phases run the same program)."""
+        if self.side.name != "optclip":
+            self.log("adaptive: skipped (only optclip has AdaGC)")
+            return
+        import optclip
+
+        grads = self.transformer(jnp.float32)
+        opts = [
+            optax.chain(optclip.adagc(warmup_steps=1), optax.adam(1e-3)),
+            optax.chain(optclip.global_clip(1.0), optax.adam(1e-3)),
+            optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3)),
+        ]
+        runners = []
+        for opt in opts:
+            fn = jax.jit(opt.update, donate_argnums=(1,))
+            box = [opt.init(grads)]
+
+            def run(fn=fn, box=box):
+                updates, box[0] = fn(grads, box[0])
+                return updates
+
+            runners.append(run)
+        leaves = len(jax.tree.leaves(grads))
+        self.log(f"adaptive: adagc+adam vs global clip+adam ({leaves} leaves)")
+        p = _timing.interleaved(runners, pairs=self.cfg.pairs, min_sample_s=self.cfg.min_sample_s)
+        row = _ratio_row(
+            "adaptive",
+            f"adagc+adam step vs optax clip_by_global_norm+adam, {leaves} leaves",
+            p,
+            0,
+            2,
+            1.10,
+        )
+        row.note = f"vs optclip.global_clip+adam: {p.ratio(0, 1):.2f}x"
+        self.rows.append(row)
 
     def memory(self) -> None:
         for dtype in (jnp.float32, jnp.bfloat16):

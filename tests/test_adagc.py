@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -440,3 +441,27 @@ def test_bad_updates():
         tx.update({"out": jnp.ones(2)}, state)
     with pytest.raises(TypeError, match=r"leaf `\['out'\]` has dtype int32"):
         tx.update({**small_tree(), "out": jnp.ones(2, jnp.int32)}, state)
+
+
+def elementwise_ops(tx, n=1 << 16):
+    """Instructions in the compiled loops over a leaf of `n` elements (XLA's fused
+    computations whose result has that shape), parameters and constants left out."""
+    grads = {"a": jnp.ones(n), "b": jnp.ones(n // 2)}
+    text = jax.jit(tx.update).lower(grads, tx.init(grads)).compile().as_text()
+    count = 0
+    for block in re.split(r"\n(?=%?[\w.]+ \()", text):
+        header = block.split("\n", 1)[0]
+        if "fused_computation" in header and f"f32[{n}]" in header.split("->")[-1]:
+            count += sum(
+                "=" in line and "parameter(" not in line and "constant(" not in line
+                for line in block.splitlines()[1:]
+            )
+    return count
+
+
+def test_scale_is_not_recomputed_for_every_element():
+    """Each leaf's scale is computed once: the loop that scales a leaf does about as much work
+    per element as global_clip's (the first version recomputed the scale from gamma in that
+    loop: 31 operations per element against global_clip's 5, 1.3x the step's time)."""
+    ours, theirs = elementwise_ops(optclip.adagc()), elementwise_ops(optclip.global_clip(1.0))
+    assert 0 < theirs and ours <= theirs + 3, (ours, theirs)

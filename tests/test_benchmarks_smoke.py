@@ -41,6 +41,7 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
         "bf16",
         "per_example",
         "groups",
+        "adaptive",
         "memory",
         "accuracy",
     }, sections

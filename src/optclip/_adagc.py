@@ -34,15 +34,26 @@ class _Rule(NamedTuple):
     beta: object
 
 
-def _leaf_scales(gamma, leaf_norms, norm, cap, warming, rule: _Rule):
+def _leaf_scales(gamma, leaf_norms, norm, cap, warming, finite, rule: _Rule):
     """``(scales, thresholds, clipped norms)`` of the leaves: during warm-up one global clip at
-    `cap` (thresholds inf), then each leaf clipped at ``lambda_rel * gamma``."""
+    `cap` (thresholds inf), then each leaf clipped at ``lambda_rel * gamma``; NaN scales for a
+    non-finite `norm`.
+
+    The scales are `_functional.clip_scale`'s, bit for bit, written as one division at the end:
+    XLA does not copy a division into the loops that multiply the leaves by their scale, while
+    the selects that `clip_scale` ends with were recomputed there for every element (1.3x the
+    step's time on the CPU).
+    """
     dtype = leaf_norms.dtype
-    global_scale = _functional.clip_scale(norm, cap)
     thresholds = _steps.as_dtype(rule.lambda_rel, dtype) * gamma
-    local_scales = _functional.clip_scale(leaf_norms, thresholds)
-    scales = jnp.where(warming, global_scale, local_scales)
-    clipped = jnp.where(warming, leaf_norms * global_scale, jnp.minimum(leaf_norms, thresholds))
+    limit = jnp.where(warming, cap, thresholds)  # (broadcast: one per leaf)
+    value = jnp.where(warming, norm, leaf_norms)
+    over = value > limit
+    valid = finite & ~jnp.isnan(limit)
+    scales = jnp.where(valid, jnp.where(over, limit, 1), jnp.nan) / jnp.where(over, value, 1)
+    clipped = jnp.where(
+        warming, leaf_norms * _functional.clip_scale(norm, cap), jnp.minimum(leaf_norms, thresholds)
+    )
     return scales, jnp.where(warming, jnp.inf, thresholds), clipped
 
 
@@ -210,8 +221,9 @@ def adagc(
             _nonfinite.raise_if_nonfinite(norm, updates, "adagc")
         cap = cap_at(state.finite_count + state.nonfinite_count, dtype)
         warming = state.finite_count < warmup_steps
-        scales, thresholds, clipped = _leaf_scales(gamma, leaf_norms, norm, cap, warming, rule)
-        scales = jnp.where(finite, scales, jnp.nan)
+        scales, thresholds, clipped = _leaf_scales(
+            gamma, leaf_norms, norm, cap, warming, finite, rule
+        )
         leaves, treedef = jax.tree.flatten(updates)
         out = [_functional.apply_scale(g, scales[i]) for i, g in enumerate(leaves)]
         out_norm = _norms.tree_norm([clipped], [()], 2.0).astype(dtype)
