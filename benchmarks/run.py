@@ -9,7 +9,7 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-per_example, groups, memory, accuracy.
+per_example, groups, adaptive, memory, accuracy.
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ SECTIONS = (
     "bf16",
     "per_example",
     "groups",
+    "adaptive",
     "memory",
     "accuracy",
 )
@@ -158,12 +159,16 @@ class Suite:
         }
 
     def steps(self, dtype) -> tuple[dict[str, Any], Any]:
-        """Jitted ``update`` of each optimizer, state donated; and the gradient tree."""
+        """Jitted ``update`` of each optimizer, state donated, with a fresh state; and the
+        gradient tree. The jitted functions are made once per dtype (compiled once)."""
         grads = self.transformer(dtype)
-        out = {}
-        for name, opt in self.optimizers().items():
-            fn = jax.jit(opt.update, donate_argnums=(1,))
-            out[name] = (fn, opt.init(grads))
+        key = ("step_fns", jnp.dtype(dtype).name)
+        if key not in self._cache:
+            self._cache[key] = {
+                name: (jax.jit(opt.update, donate_argnums=(1,)), opt)
+                for name, opt in self.optimizers().items()
+            }
+        out = {name: (fn, opt.init(grads)) for name, (fn, opt) in self._cache[key].items()}
         return out, grads
 
     def step_timing(self, dtype) -> _timing.Paired:
@@ -503,6 +508,45 @@ class Suite:
                     ref_name="no groups, no stacked",
                 )
             )
+
+    def adaptive(self) -> None:
+        """AdaGC (a threshold per leaf, from its own EMA) in a clip+adam step, against the
+        global clip users have today: there is no JAX AdaGC. The transformer tree, float32;
+        AdaGC past its warm-up (both phases run the same program)."""
+        if self.side.name != "optclip":
+            self.log("adaptive: skipped (only optclip has AdaGC)")
+            return
+        import optclip
+
+        steps, grads = self.steps(jnp.float32)  # the global clips' steps (compiled for `step`)
+        adagc = optax.chain(optclip.adagc(warmup_steps=1), optax.adam(1e-3))
+        contenders = [
+            (jax.jit(adagc.update, donate_argnums=(1,)), adagc.init(grads)),
+            steps["ours"],
+            steps["optax"],
+        ]
+        runners = []
+        for fn, state in contenders:
+            box = [state]
+
+            def run(fn=fn, box=box):
+                updates, box[0] = fn(grads, box[0])
+                return updates
+
+            runners.append(run)
+        leaves = len(jax.tree.leaves(grads))
+        self.log(f"adaptive: adagc+adam vs global clip+adam ({leaves} leaves)")
+        p = _timing.interleaved(runners, pairs=self.cfg.pairs, min_sample_s=self.cfg.min_sample_s)
+        row = _ratio_row(
+            "adaptive",
+            f"adagc+adam step vs optax clip_by_global_norm+adam, {leaves} leaves",
+            p,
+            0,
+            2,
+            1.10,
+        )
+        row.note = f"vs optclip.global_clip+adam: {p.ratio(0, 1):.2f}x"
+        self.rows.append(row)
 
     def memory(self) -> None:
         for dtype in (jnp.float32, jnp.bfloat16):

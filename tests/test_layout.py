@@ -29,7 +29,7 @@ LAYERS = [
     ["_steps", "_nonfinite"],  # state helpers; the non-finite policies
     ["_transforms"],  # the functions as Optax transformations
     ["_clipped"],  # Keras' optimizer arguments
-    ["_agc", "_autoclip", "_zclip"],  # adaptive thresholds
+    ["_adagc", "_agc", "_autoclip", "_zclip"],  # adaptive thresholds
     ["_metrics"],  # every clip's state as one flat dict
     ["__init__"],  # the public names
 ]

@@ -5,6 +5,8 @@ with exact float32 accumulation, the norm kept in the optimizer state, and multi
 reductions.
 """
 
+from optclip._adagc import AdaGCState as AdaGCState
+from optclip._adagc import adagc as adagc
 from optclip._agc import AGCState as AGCState
 from optclip._agc import agc as agc
 from optclip._autoclip import AutoClipState as AutoClipState
@@ -39,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGCState",
+    "AdaGCState",
     "AutoClipState",
     "AxisNameError",
     "ClippedState",
@@ -47,6 +50,7 @@ __all__ = [
     "NonFiniteNormError",
     "ScheduleState",
     "ZClipState",
+    "adagc",
     "agc",
     "autoclip",
     "average_norm_clip",

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.tree_util import GetAttrKey
 
+from optclip._adagc import AdaGCState
 from optclip._agc import AGCState
 from optclip._autoclip import AutoClipState
 from optclip._clipped import ClippedState
@@ -22,6 +23,7 @@ KINDS = {
     AutoClipState: "autoclip",
     ZClipState: "zclip",
     AGCState: "agc",
+    AdaGCState: "adagc",
     ClippedState: "clipped",
 }
 _STATES = tuple(KINDS)
@@ -69,6 +71,13 @@ def _fields(state) -> list:
     for name in ("clip_count", "spike_count", "nonfinite_count", "finite_count", "step"):
         if name in state._fields:  # (not `hasattr`: a NamedTuple has a `count` method)
             out.append((name, functools.partial(getattr, state, name)))
+    if isinstance(state, AdaGCState):
+        for key, per_leaf in (
+            ("leaf_threshold", state.leaf_thresholds),
+            ("leaf_clip_count", state.leaf_clip_counts),
+        ):
+            for i, name in enumerate(per_leaf.names):
+                out.append((f"{key}/{name}", functools.partial(_item, per_leaf, i)))
     if state.group_norms is not None:
         for i, name in enumerate(state.group_norms.names):
             out.append((f"group_norm/{name}", functools.partial(_item, state.group_norms, i)))
@@ -104,16 +113,18 @@ def _check_is_state(opt_state) -> None:
 def metrics(opt_state) -> dict:
     """Every optclip clip's state in `opt_state`, as a flat dict of arrays ready for a logger.
 
-    Finds the state of every :func:`global_clip`, :func:`autoclip`, :func:`zclip`, :func:`agc`
-    and :func:`clipped` anywhere in an optimizer state: in ``optax.chain``, ``clipped``,
-    ``optax.MultiSteps``, ``optax.masked``, ``optax.inject_hyperparams``, ``optax.multi_transform``
-    and a Flax NNX ``nnx.Optimizer``'s ``opt_state`` (whose Variables are read, so every entry is
-    a plain array of this step, not a Variable the next update overwrites).
+    Finds the state of every :func:`global_clip`, :func:`autoclip`, :func:`zclip`, :func:`agc`,
+    :func:`adagc` and :func:`clipped` anywhere in an optimizer state: in ``optax.chain``,
+    ``clipped``, ``optax.MultiSteps``, ``optax.masked``, ``optax.inject_hyperparams``,
+    ``optax.multi_transform`` and a Flax NNX ``nnx.Optimizer``'s ``opt_state`` (whose Variables
+    are read, so every entry is a plain array of this step, not a Variable the next update
+    overwrites).
 
     Keys are ``"<clip>/<field>"``: ``global_clip/global_norm`` (before clipping),
     ``global_clip/clipped`` (whether this step was scaled down), ``global_clip/scale`` (the factor
     applied), ``global_clip/threshold``, the counters (``clip_count``, ``nonfinite_count``,
-    ``step``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), and one
+    ``step``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), AdaGC's
+    ``adagc/leaf_threshold/<leaf>`` and ``adagc/leaf_clip_count/<leaf>`` per leaf, and one
     ``global_clip/group_norm/<group>`` per group with ``group_norms=``. When a chain holds two
     clips of one kind, each is named by where it sits: ``global_clip[0]/global_norm``,
     ``global_clip[1]/global_norm`` (unlike ``optax.tree.get``, which then raises).
