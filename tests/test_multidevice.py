@@ -9,7 +9,8 @@ global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding), or an err
   collected): jit over ``NamedSharding`` arrays on explicit and automatic meshes (and the
   compiled HLO: small all-reduces, no all-gather); ``axis_name`` inside ``shard_map`` and
   ``pmap`` in every accepted form, checked (unbound axes, replicated leaves declared split,
-  undeclared axes) and inferred (``None``/``"auto"``); group norms; float16/bfloat16, overflow
+  undeclared axes) and inferred (``None``/``"auto"``); group norms; ``guarded``'s loss scale,
+  skipped steps and spike test (the same on every device); float16/bfloat16, overflow
   and underflow, ``ord``; eager leaves on different devices; and optax's own clip inside
   ``shard_map`` using each device's local norm.
 * ``distributed.py``, 2 processes x 2 CPU devices joined by ``jax.distributed`` over 127.0.0.1
@@ -54,6 +55,7 @@ MULTIDEVICE_GROUPS = [
     "shard_map-optax-differs",
     "pmap",
     "adaptive",
+    "guarded",
     "axis-checks",
     "auto",
     "groups",
