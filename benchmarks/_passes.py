@@ -87,7 +87,8 @@ def count_passes(hlo_text: str, gradient_parameters: set[int], min_elements: int
 
 def passes_of(fn, args, gradient_argnum: int = 0) -> int:
     """Passes over the gradients (argument `gradient_argnum`, a pytree) of ``jax.jit(fn)``
-    compiled for `args`; gradient-sized means at least half the largest gradient leaf."""
+    compiled for `args`; gradient-sized means at least half the largest gradient leaf (on a
+    model's gradients: the passes over its largest leaves, such as the embedding's)."""
     before = len(jax.tree.leaves(args[:gradient_argnum]))
     leaves = jax.tree.leaves(args[gradient_argnum])
     numbers = set(range(before, before + len(leaves)))

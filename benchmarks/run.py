@@ -9,7 +9,7 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-per_example, groups, memory, accuracy.
+per_example, groups, loss_scaling (needs jmp: ``pip install -e ".[bench]"``), memory, accuracy.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _impls  # noqa: E402
+import _loss_scaling  # noqa: E402
 import _timing  # noqa: E402
 import _trees  # noqa: E402
 
@@ -45,6 +46,7 @@ SECTIONS = (
     "bf16",
     "per_example",
     "groups",
+    "loss_scaling",
     "memory",
     "accuracy",
 )
@@ -101,7 +103,7 @@ class Row:
     name: str
     ours: float | None
     ref: float | None
-    unit: str  # "s", "B" or "rel"
+    unit: str  # "s", "B", "rel" or "n" (a count)
     ratio: float | None
     target: str  # human-readable, e.g. "<= 1.00"
     passed: bool | None  # None: reported for context, no target
@@ -462,6 +464,59 @@ class Suite:
             )
         )
 
+    def loss_scaling(self) -> None:
+        """The step with dynamic loss scaling folded into the clip (and with the spike test
+        too) against the same clip without it (target: parity), and against jmp + optax; the
+        passes over the gradients in each compiled step."""
+        if self.side.name != "optclip":
+            self.log("loss_scaling: skipped (only optclip folds the loss scale into the clip)")
+            return
+        grads = self.transformer(jnp.float32)
+        p, passes, names = _loss_scaling.measure(
+            grads, self.cfg.pairs, self.cfg.min_sample_s, self.log
+        )
+        alone, jmp = names.index("optclip, clip alone"), names.index("jmp + optax")
+        counts = (
+            f"passes over the gradients: ours {passes[names[0]]}, jmp + optax {passes[names[jmp]]}"
+        )
+        for k, what in ((0, "loss scaling"), (1, "loss scaling + spike skipping")):
+            row = _ratio_row(
+                "loss_scaling",
+                f"clip+adam step with {what}, float32",
+                p,
+                k,
+                alone,
+                1.02,
+                ref_name="same clip without",
+            )
+            row.note = f"{p.ratio(k, jmp):.2f}x jmp + optax"
+            self.rows.append(row)
+        row = _ratio_row(
+            "loss_scaling",
+            "clip+adam step with loss scaling vs jmp + optax",
+            p,
+            0,
+            jmp,
+            1.00,
+            ref_name="jmp + optax",
+        )
+        row.note = counts + f" (same clip without: {passes[names[alone]]})"
+        self.rows.append(row)
+        self.rows.append(
+            Row(
+                section="loss_scaling",
+                name="passes over the largest gradient, step with loss scaling",
+                ours=passes[names[0]],
+                ref=passes[names[jmp]],
+                unit="n",
+                ratio=passes[names[0]] / passes[names[jmp]],
+                target=f"<= clip alone ({passes[names[alone]]})",
+                passed=passes[names[0]] <= passes[names[alone]],
+                ref_name="jmp + optax",
+                note="kernels reading gradient-sized data (adam's own included)",
+            )
+        )
+
     def memory(self) -> None:
         for dtype in (jnp.float32, jnp.bfloat16):
             self.log(f"memory analysis of the jitted step ({jnp.dtype(dtype).name})")
@@ -544,6 +599,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
     if unit == "B":
         return _fmt_bytes(value)
+    if unit == "n":
+        return f"{value:.0f}"
     return f"{value:.2e}"
 
 
