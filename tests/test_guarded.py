@@ -545,6 +545,9 @@ def test_guarded_checks_its_arguments():
         optclip.guarded(optax.adam(1e-3), loss_scale=2.0**16)
     with pytest.raises(TypeError, match="`skip_spikes` must be None, True"):
         optclip.guarded(optax.adam(1e-3), skip_spikes=128)
+    opt = optclip.guarded(optax.sgd(1.0), skip_spikes=True)
+    with pytest.raises(ValueError, match=r"`value` \(the loss, for the spike test\) must be a 0-d"):
+        opt.update(PARAMS, opt.init(PARAMS), PARAMS, value=jnp.ones(3))
     two = optax.chain(
         optclip.guarded(optax.sgd(1.0), loss_scale=True),
         optclip.guarded(optax.sgd(1.0), loss_scale=True),

@@ -52,6 +52,19 @@ def _clip(clip, updates, clip_state, params, inverse, axis_name):
     return out, clip_state, norm
 
 
+def _check_loss(value):
+    """The loss given as ``value=``: None, or a 0-d real array."""
+    if value is None:
+        return None
+    loss = jnp.asarray(value)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            "`value` (the loss, for the spike test) must be a 0-d float, got an array of "
+            f"shape {loss.shape} and dtype {loss.dtype}; pass the mean loss of the step."
+        )
+    return loss
+
+
 def guarded(
     optimizer, *, clip=None, loss_scale=None, skip_spikes=None, axis_name=None
 ) -> optax.GradientTransformationExtraArgs:
@@ -114,6 +127,7 @@ def guarded(
     Raises:
       TypeError: `optimizer` or `clip` is not a transformation; `loss_scale` or `skip_spikes`
         is not one of the accepted values.
+      ValueError: at update, a ``value=`` that is not a 0-d float.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -156,14 +170,13 @@ def guarded(
         )
 
     def update_fn(updates, state, params=None, **extra_args):
-        loss = extra_args.get("value")
+        loss = _check_loss(extra_args.get("value"))
         inverse = None if scaling is None else 1 / state.scaler.loss_scale
         out, clip_state, norm = _clip(clip, updates, state.clip_state, params, inverse, axis_name)
         finite = jnp.isfinite(norm)
         ok = finite if loss is None else finite & jnp.all(jnp.isfinite(loss))
         spike, spikes = jnp.zeros((), jnp.bool_), state.spikes
         if spiking is not None:
-            loss = None if loss is None else jnp.asarray(loss)
             spike, norm_limit, loss_limit = _spikes.judge(spiking, state.spikes, norm, loss)
             spike = spike & ok
             spikes = _spikes.record(state.spikes, norm, loss, ok, spike, norm_limit, loss_limit)
