@@ -49,6 +49,7 @@ def contenders(grads) -> dict[str, tuple[Any, Any]]:
         "optclip, loss scaling + spikes": optclip.guarded(
             adam, clip=optclip.global_clip(1.0), loss_scale=True, skip_spikes=True
         ),
+        "optclip, skipped steps only": optclip.guarded(adam, clip=optclip.global_clip(1.0)),
         "optclip, clip alone": optax.chain(optclip.global_clip(1.0), adam),
     }
     out = {
