@@ -9,7 +9,8 @@ Every figure is a ratio of two contenders timed in the same process: interleaved
 (the order rotates each round), the median over rounds of the per-round ratio, after
 compilation and warm-up. Compile times are of fresh function objects after
 ``jax.clear_caches()``. Sections (``--only``): step, overhead, norm, many_leaves, bf16,
-per_example, groups, adaptive, memory, accuracy.
+per_example, groups, adaptive, loss_scaling (needs jmp: ``pip install -e ".[bench]"``), memory,
+accuracy.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import optax
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _impls  # noqa: E402
+import _loss_scaling  # noqa: E402
 import _timing  # noqa: E402
 import _trees  # noqa: E402
 
@@ -46,6 +48,7 @@ SECTIONS = (
     "per_example",
     "groups",
     "adaptive",
+    "loss_scaling",
     "memory",
     "accuracy",
 )
@@ -105,7 +108,7 @@ class Row:
     name: str
     ours: float | None
     ref: float | None
-    unit: str  # "s", "B" or "rel"
+    unit: str  # "s", "B", "rel" or "n" (a count)
     ratio: float | None
     target: str  # human-readable, e.g. "<= 1.00"
     passed: bool | None  # None: reported for context, no target
@@ -548,6 +551,70 @@ class Suite:
         row.note = f"vs optclip.global_clip+adam: {p.ratio(0, 1):.2f}x"
         self.rows.append(row)
 
+    def loss_scaling(self) -> None:
+        """The step with dynamic loss scaling folded into the clip (and with the spike test
+        too) against the same guarded step without the scale (the fold's cost: parity), the
+        same clip with no guard at all, and jmp + optax; the passes over the largest gradient in
+        each compiled step."""
+        if self.side.name != "optclip":
+            self.log("loss_scaling: skipped (only optclip folds the loss scale into the clip)")
+            return
+        grads = self.transformer(jnp.float32)
+        p, passes, names = _loss_scaling.measure(
+            grads, self.cfg.pairs, self.cfg.min_sample_s, self.log
+        )
+        k = {name: i for i, name in enumerate(names)}
+        scaled, spikes = k["optclip, loss scaling"], k["optclip, loss scaling + spikes"]
+        skip_only, alone, jmp = (
+            k["optclip, skipped steps only"],
+            k["optclip, clip alone"],
+            k["jmp + optax"],
+        )
+        rows = [
+            (
+                "loss scaling, vs the same guarded step without it",
+                scaled,
+                skip_only,
+                1.02,
+                "guarded, no scale",
+            ),
+            (
+                "loss scaling + spike test, vs loss scaling alone",
+                spikes,
+                scaled,
+                1.02,
+                "loss scaling",
+            ),
+            (
+                "loss scaling, vs the clip with no guard (no skip)",
+                scaled,
+                alone,
+                1.02,
+                "clip alone",
+            ),
+            ("loss scaling, vs jmp + optax", scaled, jmp, 1.00, "jmp + optax"),
+        ]
+        for label, a, b, limit, ref_name in rows:
+            row = _ratio_row(
+                "loss_scaling", f"clip+adam step: {label}", p, a, b, limit, ref_name=ref_name
+            )
+            self.rows.append(row)
+        self.rows[-2].note = f"the guard's skip alone: {p.ratio(skip_only, alone):.2f}x"
+        self.rows.append(
+            Row(
+                section="loss_scaling",
+                name="passes over the largest gradient, step with loss scaling",
+                ours=passes[names[scaled]],
+                ref=passes[names[jmp]],
+                unit="n",
+                ratio=passes[names[scaled]] / passes[names[jmp]],
+                target=f"<= clip alone ({passes[names[alone]]})",
+                passed=passes[names[scaled]] <= passes[names[alone]],
+                ref_name="jmp + optax",
+                note="kernels reading gradient-sized data, adam's own included",
+            )
+        )
+
     def memory(self) -> None:
         for dtype in (jnp.float32, jnp.bfloat16):
             self.log(f"memory analysis of the jitted step ({jnp.dtype(dtype).name})")
@@ -630,6 +697,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value * 1e3:.3g} ms" if value < 1 else f"{value:.3g} s"
     if unit == "B":
         return _fmt_bytes(value)
+    if unit == "n":
+        return f"{value:.0f}"
     return f"{value:.2e}"
 
 

@@ -84,3 +84,48 @@ def assert_close(actual, expected, dtype, factor=1.0):
     expected = np.asarray(expected)
     atol = factor * rtol_for(dtype) * max(np.max(np.abs(expected), initial=0.0), 1e-30)
     np.testing.assert_allclose(actual, expected, rtol=factor * rtol_for(dtype), atol=atol)
+
+
+def ref_loss_scales(finite_steps, init, growth=2.0, backoff=0.5, interval=2000, min_scale=1.0):
+    """The dynamic loss scale after each step, given whether each step's gradients were finite:
+    PyTorch's ``_amp_update_scale_`` (the rule of ``GradScaler.update``) in float32, with jmp's
+    lower bound `min_scale` (0: none, as PyTorch)."""
+    scale, tracker, out = np.float32(init), 0, []
+    for finite in finite_steps:
+        if not finite:
+            scale, tracker = max(np.float32(scale * np.float32(backoff)), np.float32(min_scale)), 0
+        elif tracker + 1 == interval:
+            with np.errstate(over="ignore"):
+                grown = np.float32(scale * np.float32(growth))
+            scale, tracker = (grown if np.isfinite(grown) else scale), 0
+        else:
+            tracker += 1
+        out.append(float(scale))
+    return out
+
+
+def ref_spike_skips(norms, losses, window, k, min_history):
+    """Which steps a rolling k-sigma test skips, and each step's norm and loss thresholds, in
+    float64: a step is recorded when its norm (and its loss, if given: not None) is finite;
+    a spike is above ``mean + k * std`` (sample std) of the last `window` recorded values,
+    once `min_history` are recorded; non-finite steps are skipped and not recorded."""
+    kept_norms, kept_losses, skips, limits = [], [], [], []
+
+    def limit(values):
+        values = [v for v in values[-window:] if v is not None]
+        if len(values) < min_history:
+            return np.inf
+        values = np.asarray(values, np.float64)
+        return values.mean() + k * values.std(ddof=1)
+
+    for norm, loss in zip(norms, losses):
+        finite = np.isfinite(norm) and (loss is None or np.isfinite(loss))
+        norm_limit = limit(kept_norms)
+        loss_limit = np.inf if loss is None else limit(kept_losses)
+        spike = finite and (norm > norm_limit or (loss is not None and loss > loss_limit))
+        if finite:
+            kept_norms.append(norm)
+            kept_losses.append(loss)
+        skips.append(bool(spike or not finite))
+        limits.append((norm_limit, loss_limit))
+    return skips, limits

@@ -42,6 +42,7 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
         "per_example",
         "groups",
         "adaptive",
+        "loss_scaling",
         "memory",
         "accuracy",
     }, sections
@@ -49,6 +50,9 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
     for kind in ("run", "compile"):  # the per-example functions against optax's
         for fn in ("per_example_clip", "per_example_layer_clip"):
             assert any(name.startswith(f"{fn} {kind}, ") for name in per_example), per_example
+    passes = [r for r in results["rows"] if r["section"] == "loss_scaling" and r["unit"] == "n"]
+    assert len(passes) == 1 and passes[0]["passed"], passes  # (a structural count, not timing)
+    assert passes[0]["ours"] < passes[0]["ref"], passes
     assert results["machine"]["cpu"], results["machine"]
     accuracy = [row for row in results["rows"] if row["section"] == "accuracy"]
     assert len(accuracy) == 6  # {bfloat16, float16} x {10, 100, 1000} leaves

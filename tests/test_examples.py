@@ -34,6 +34,10 @@ QUICK_RUNS = {
     "from_tensorflow.py": (["--steps", "5"], [r"both forms give the same weights"]),
     "from_keras.py": (["--steps", "5"], [r"gives the same weights as the explicit chain"]),
     "from_pytorch.py": (["--steps", "5"], [r"^norm 1 = max_norm 1 .* True +False$"]),
+    "loss_scaling.py": (
+        ["--steps", "40", "--seeds", "1"],
+        [r"^float32\s", r"^float16, loss scaling\s", r"^float16, no loss scaling\s"],
+    ),
 }
 
 

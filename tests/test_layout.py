@@ -27,8 +27,10 @@ LAYERS = [
     ["_functional"],  # TensorFlow's clipping functions
     ["_per_example"],  # per-example (DP-SGD) clipping
     ["_steps", "_nonfinite"],  # state helpers; the non-finite policies
+    ["_loss_scale", "_spikes"],  # the guards' rules: dynamic loss scale, rolling spike test
     ["_transforms"],  # the functions as Optax transformations
     ["_clipped"],  # Keras' optimizer arguments
+    ["_guarded"],  # the guards of a large run around any optimizer
     ["_adagc", "_agc", "_autoclip", "_zclip"],  # adaptive thresholds
     ["_metrics"],  # every clip's state as one flat dict
     ["__init__"],  # the public names

@@ -9,7 +9,8 @@ global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding), or an err
   collected): jit over ``NamedSharding`` arrays on explicit and automatic meshes (and the
   compiled HLO: small all-reduces, no all-gather); ``axis_name`` inside ``shard_map`` and
   ``pmap`` in every accepted form, checked (unbound axes, replicated leaves declared split,
-  undeclared axes) and inferred (``None``/``"auto"``); group norms; float16/bfloat16, overflow
+  undeclared axes) and inferred (``None``/``"auto"``); group norms; ``guarded``'s loss scale,
+  skipped steps and spike test (the same on every device); float16/bfloat16, overflow
   and underflow, ``ord``; per-layer norms of stacked leaves whose layer axis is sharded under
   jit, split inside ``shard_map`` and ``pmap``, or not split; eager leaves on different
   devices; and optax's own clip inside
@@ -56,6 +57,7 @@ MULTIDEVICE_GROUPS = [
     "shard_map-optax-differs",
     "pmap",
     "adaptive",
+    "guarded",
     "axis-checks",
     "auto",
     "groups",

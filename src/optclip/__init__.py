@@ -23,10 +23,17 @@ from optclip._functional import clip_by_norm as clip_by_norm
 from optclip._functional import clip_by_value as clip_by_value
 from optclip._functional import global_norm as global_norm
 from optclip._groups import GroupNorms as GroupNorms
+from optclip._guarded import GuardedState as GuardedState
+from optclip._guarded import guarded as guarded
+from optclip._guarded import loss_scale as loss_scale
+from optclip._loss_scale import DynamicLossScale as DynamicLossScale
+from optclip._loss_scale import LossScaleState as LossScaleState
 from optclip._metrics import metrics as metrics
 from optclip._nonfinite import NonFiniteNormError as NonFiniteNormError
 from optclip._per_example import per_example_clip as per_example_clip
 from optclip._per_example import per_example_layer_clip as per_example_layer_clip
+from optclip._spikes import SpikeSkip as SpikeSkip
+from optclip._spikes import SpikeState as SpikeState
 from optclip._transforms import GlobalClipState as GlobalClipState
 from optclip._transforms import ScheduleState as ScheduleState
 from optclip._transforms import average_norm_clip as average_norm_clip
@@ -45,10 +52,15 @@ __all__ = [
     "AutoClipState",
     "AxisNameError",
     "ClippedState",
+    "DynamicLossScale",
     "GlobalClipState",
     "GroupNorms",
+    "GuardedState",
+    "LossScaleState",
     "NonFiniteNormError",
     "ScheduleState",
+    "SpikeSkip",
+    "SpikeState",
     "ZClipState",
     "adagc",
     "agc",
@@ -64,6 +76,8 @@ __all__ = [
     "clipped",
     "global_clip",
     "global_norm",
+    "guarded",
+    "loss_scale",
     "metrics",
     "norm_clip",
     "per_example_clip",

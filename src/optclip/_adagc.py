@@ -209,12 +209,13 @@ def adagc(
             group_norms=_groups.init(group_norms, params, dtype),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def step(updates, state, inverse_scale=None):
         gamma = state.gamma.values
         dtype, n = gamma.dtype, gamma.shape[0]
         buckets = _groups.buckets("leaf", updates, state.gamma, "adagc")
         norm, leaf_norms = _norms.norms_of(updates, 2.0, axis_name, "adagc", buckets)
+        if inverse_scale is not None:  # loss-scaled gradients (`guarded`): the unscaled norms
+            norm, leaf_norms = _steps.unscale_norms(norm, leaf_norms, inverse_scale)
         norm, leaf_norms = norm.astype(dtype), leaf_norms[:n].astype(dtype)
         finite = jnp.isfinite(norm)
         if nonfinite == "raise":
@@ -225,7 +226,8 @@ def adagc(
             gamma, leaf_norms, norm, cap, warming, finite, rule
         )
         leaves, treedef = jax.tree.flatten(updates)
-        out = [_functional.apply_scale(g, scales[i]) for i, g in enumerate(leaves)]
+        factors = scales if inverse_scale is None else scales * inverse_scale.astype(dtype)
+        out = [_functional.apply_scale(g, factors[i]) for i, g in enumerate(leaves)]
         out_norm = _norms.tree_norm([clipped], [()], 2.0).astype(dtype)
         scale = jnp.where(norm > 0, out_norm / jnp.where(norm > 0, norm, 1), 1)
         scale = jnp.where(finite, scale, jnp.nan)
@@ -251,4 +253,5 @@ def adagc(
         )
         return jax.tree.unflatten(treedef, out), new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    # (`guarded` folds a loss scale into the norms and the one factor per leaf: no extra pass)
+    return _steps.global_norm_transform(init_fn, step)

@@ -90,6 +90,25 @@ def _agc_specs(paths_and_updates, updates, axis_name) -> list:
     return specs
 
 
+def _flatten_with_params(updates, params):
+    """``(paths and leaves of the updates, their structure, the parameters' leaves)``, checked:
+    `params` given, with the structure of the updates."""
+    if params is None:
+        raise ValueError(
+            "`agc` clips relative to the parameters: call `update(updates, state, params)` "
+            "with `params`, got `params=None`."
+        )
+    paths_and_updates, treedef = jax.tree_util.tree_flatten_with_path(updates)
+    param_leaves, param_treedef = jax.tree.flatten(params)
+    structure: Any = param_treedef  # (mypy cannot resolve jaxlib's PyTreeDef)
+    if structure != treedef:
+        raise ValueError(
+            "`agc` needs `params` with the same structure as the updates; got updates "
+            f"{treedef} and params {param_treedef}."
+        )
+    return paths_and_updates, treedef, param_leaves
+
+
 def agc(
     clipping=0.01, eps=1e-3, *, axis=None, axis_name=None, group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
@@ -190,20 +209,8 @@ def agc(
             _groups.init(group_norms, params, dtype, stacked, axis_name, "agc"),
         )
 
-    def update_fn(updates, state, params=None):
-        if params is None:
-            raise ValueError(
-                "`agc` clips relative to the parameters: call `update(updates, state, params)` "
-                "with `params`, got `params=None`."
-            )
-        paths_and_updates, treedef = jax.tree_util.tree_flatten_with_path(updates)
-        param_leaves, param_treedef = jax.tree.flatten(params)
-        structure: Any = param_treedef  # (mypy cannot resolve jaxlib's PyTreeDef)
-        if structure != treedef:
-            raise ValueError(
-                "`agc` needs `params` with the same structure as the updates; got updates "
-                f"{treedef} and params {param_treedef}."
-            )
+    def step(updates, state, params, inverse_scale=None):
+        paths_and_updates, treedef, param_leaves = _flatten_with_params(updates, params)
         specs = _agc_specs(paths_and_updates, updates, axis_name)
         leaf_stacks = _layers.stacks(stacked, updates)
         out, unit_norms, unit_limits, kept_axes = [], [], [], []
@@ -221,13 +228,18 @@ def agc(
             mesh_axes = _split_axes(spec, dims)
             g_norm = _norms.all_reduce_norm(_norms.leaf_norm(g, 2.0, dims), mesh_axes)
             w_norm = _norms.all_reduce_norm(_norms.leaf_norm(w, 2.0, dims), mesh_axes)
+            if inverse_scale is not None:  # loss-scaled gradients: the unscaled unit norms
+                g_norm = g_norm * inverse_scale.astype(g_norm.dtype)
             g_norm = g_norm.astype(state.global_norm.dtype)
             w_norm = w_norm.astype(state.global_norm.dtype)
             limit = _steps.as_dtype(clipping, w_norm.dtype) * jnp.maximum(
                 w_norm, _steps.as_dtype(eps, w_norm.dtype)
             )
             limit = _functional.threshold_as(limit, w_norm.dtype)
-            out.append(_functional.apply_scale(g, _functional.clip_scale(g_norm, limit)))
+            factor = _functional.clip_scale(g_norm, limit)
+            if inverse_scale is not None:
+                factor = factor * inverse_scale.astype(factor.dtype)
+            out.append(_functional.apply_scale(g, factor))
             unit_norms.append(g_norm)
             unit_limits.append(jnp.broadcast_to(limit, g_norm.shape))
             kept = tuple(d for d in range(g.ndim) if d not in dims)
@@ -243,4 +255,11 @@ def agc(
         )
         return jax.tree.unflatten(treedef, out), state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def update_fn(updates, state, params=None):
+        return step(updates, state, params)
+
+    def unscaling(updates, state, params, inverse_scale):
+        updates, state = step(updates, state, params, inverse_scale)
+        return updates, state, state.global_norm
+
+    return _steps.register_unscaling(optax.GradientTransformation(init_fn, update_fn), unscaling)

@@ -134,13 +134,14 @@ def autoclip(
             group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "autoclip"),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def step(updates, state, inverse_scale=None):
         dtype = state.norms.dtype
         buckets = _groups.layout(
             group_norms, stacked, updates, state.group_norms, "autoclip", axis_name
         )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "autoclip", buckets)
+        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
+            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         norms = jnp.where(finite, state.norms.at[state.next_index].set(norm), state.norms)
@@ -148,7 +149,7 @@ def autoclip(
         next_index = jnp.where(finite, (state.next_index + 1) % size, state.next_index)
         threshold = _percentile(norms, filled, percentile)
         updates, scale = _nonfinite.clip_to_threshold(
-            updates, norm, threshold, nonfinite, "autoclip"
+            updates, norm, threshold, nonfinite, "autoclip", inverse_scale
         )
         new_state = AutoClipState(
             global_norm=norm,
@@ -163,4 +164,4 @@ def autoclip(
         )
         return updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _steps.global_norm_transform(init_fn, step)

@@ -22,7 +22,7 @@ class ClippedState(NamedTuple):
     skip_count: jax.Array  # steps dropped because the gradient's norm was not finite
 
 
-def _check_optimizer(optimizer) -> None:
+def _check_optimizer(optimizer, arg: str = "optimizer", example: str = "optax.adam(1e-3)") -> None:
     """`clipped` wraps a transformation: not an optimizer's factory, nor anything else."""
     if (
         not isinstance(optimizer, type)
@@ -30,14 +30,12 @@ def _check_optimizer(optimizer) -> None:
         and callable(getattr(optimizer, "update", None))
     ):
         return
-    accepted = "an optax.GradientTransformation such as `optax.adam(1e-3)`"
+    accepted = f"an optax.GradientTransformation such as `{example}`"
     if callable(optimizer):
         kind = "class" if isinstance(optimizer, type) else "function"
         name = getattr(optimizer, "__name__", None) or repr(optimizer)
-        raise TypeError(f"`optimizer` must be {accepted}; got the {kind} `{name}` (call it first).")
-    raise TypeError(
-        f"`optimizer` must be {accepted}; got {type(optimizer).__name__}: {optimizer!r}."
-    )
+        raise TypeError(f"`{arg}` must be {accepted}; got the {kind} `{name}` (call it first).")
+    raise TypeError(f"`{arg}` must be {accepted}; got {type(optimizer).__name__}: {optimizer!r}.")
 
 
 def _keras_threshold(value):
@@ -155,9 +153,8 @@ def clipped(
         )
         skip_count = state.skip_count
         if nonfinite == "skip":
-            new_updates = _nonfinite.zero_unless(finite, new_updates)
-            inner_state = jax.tree.map(
-                lambda new, old: jnp.where(finite, new, old), inner_state, state.inner_state
+            new_updates, inner_state = _nonfinite.skip_unless(
+                finite, new_updates, inner_state, state.inner_state
             )
         if nonfinite in ("zero", "skip"):
             skip_count = skip_count + (~finite).astype(jnp.int32)

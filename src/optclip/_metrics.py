@@ -15,6 +15,9 @@ from optclip._agc import AGCState
 from optclip._autoclip import AutoClipState
 from optclip._clipped import ClippedState
 from optclip._groups import is_variable, key_text
+from optclip._guarded import GuardedState
+from optclip._loss_scale import LossScaleState
+from optclip._spikes import SpikeState
 from optclip._transforms import GlobalClipState
 from optclip._zclip import ZClipState
 
@@ -25,8 +28,22 @@ KINDS = {
     AGCState: "agc",
     AdaGCState: "adagc",
     ClippedState: "clipped",
+    GuardedState: "guarded",
+    LossScaleState: "loss_scale",
+    SpikeState: "skip_spikes",
 }
 _STATES = tuple(KINDS)
+# Wrappers' fields that hold other states (searched too), and their own loggable fields.
+_NESTED = {
+    ClippedState: ("clip_state", "inner_state"),
+    GuardedState: ("clip_state", "inner_state", "scaler", "spikes"),
+}
+_OWN_FIELDS = {
+    ClippedState: ("skip_count",),
+    GuardedState: ("global_norm", "skipped", "skip_count", "nonfinite_count", "step"),
+    LossScaleState: ("loss_scale", "growth_tracker", "overflow_count"),
+    SpikeState: ("norm_threshold", "loss_threshold", "spike_count", "filled"),
+}
 
 
 def _is_state(x) -> bool:
@@ -40,9 +57,8 @@ def _find(tree, path=()) -> list:
         if not _is_state(node):
             continue
         found.append((path + sub, node))
-        if isinstance(node, ClippedState):
-            for field in ("clip_state", "inner_state"):
-                found += _find(getattr(node, field), path + sub + (GetAttrKey(field),))
+        for field in _NESTED.get(type(node), ()):
+            found += _find(getattr(node, field), path + sub + (GetAttrKey(field),))
     return found
 
 
@@ -60,8 +76,9 @@ def _plain(state):
 def _fields(state) -> list:
     """The loggable fields of one state (derived ones included), as ``(name, value thunk)``:
     the names are known without computing anything."""
-    if isinstance(state, ClippedState):
-        return [("skip_count", lambda: state.skip_count)]
+    if type(state) in _OWN_FIELDS:
+        own = _OWN_FIELDS[type(state)]
+        return [(name, functools.partial(getattr, state, name)) for name in own]
     out = [("global_norm", lambda: state.global_norm), ("threshold", lambda: state.threshold)]
     if "scale" in state._fields:
         out.append(("clipped", lambda: jnp.isfinite(state.global_norm) & (state.scale < 1)))
@@ -82,6 +99,12 @@ def _fields(state) -> list:
         for i, name in enumerate(state.group_norms.names):
             out.append((f"group_norm/{name}", functools.partial(_item, state.group_norms, i)))
     return out
+
+
+def _without_nested(state):
+    """A wrapper's state without the states it holds (they are found and logged on their own)."""
+    nested = _NESTED.get(type(state), ())
+    return state._replace(**dict.fromkeys(nested)) if nested else state
 
 
 def _item(group_norms, i):
@@ -114,17 +137,21 @@ def metrics(opt_state) -> dict:
     """Every optclip clip's state in `opt_state`, as a flat dict of arrays ready for a logger.
 
     Finds the state of every :func:`global_clip`, :func:`autoclip`, :func:`zclip`, :func:`agc`,
-    :func:`adagc` and :func:`clipped` anywhere in an optimizer state: in ``optax.chain``,
-    ``clipped``, ``optax.MultiSteps``, ``optax.masked``, ``optax.inject_hyperparams``,
-    ``optax.multi_transform`` and a Flax NNX ``nnx.Optimizer``'s ``opt_state`` (whose Variables
-    are read, so every entry is a plain array of this step, not a Variable the next update
-    overwrites).
+    :func:`adagc`, :func:`clipped` and :func:`guarded` (with its loss scale and spike test)
+    anywhere in an optimizer state: in ``optax.chain``, ``clipped``, ``optax.MultiSteps``,
+    ``optax.masked``, ``optax.inject_hyperparams``, ``optax.multi_transform`` and a Flax NNX
+    ``nnx.Optimizer``'s ``opt_state`` (whose Variables are read, so every entry is a plain array
+    of this step, not a Variable the next update overwrites).
 
     Keys are ``"<clip>/<field>"``: ``global_clip/global_norm`` (before clipping),
     ``global_clip/clipped`` (whether this step was scaled down), ``global_clip/scale`` (the factor
     applied), ``global_clip/threshold``, the counters (``clip_count``, ``nonfinite_count``,
     ``step``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), AdaGC's
-    ``adagc/leaf_threshold/<leaf>`` and ``adagc/leaf_clip_count/<leaf>`` per leaf, and one
+    ``adagc/leaf_threshold/<leaf>`` and ``adagc/leaf_clip_count/<leaf>`` per leaf,
+    :func:`guarded`'s ``guarded/global_norm``, ``guarded/skipped``, ``guarded/skip_count``,
+    ``guarded/nonfinite_count``, ``guarded/step``, ``loss_scale/loss_scale``,
+    ``loss_scale/growth_tracker``, ``loss_scale/overflow_count``, ``skip_spikes/norm_threshold``,
+    ``skip_spikes/loss_threshold``, ``skip_spikes/spike_count`` and ``skip_spikes/filled``; one
     ``global_clip/group_norm/<group>`` per group with ``group_norms=``. When a chain holds two
     clips of one kind, each is named by where it sits: ``global_clip[0]/global_norm``,
     ``global_clip[1]/global_norm`` (unlike ``optax.tree.get``, which then raises).
@@ -168,10 +195,7 @@ def metrics(opt_state) -> dict:
         kind = KINDS[type(state)]
         where = ".".join(key_text(k) for k in path)
         prefixes.append(kind if counts[kind] == 1 else f"{kind}[{where}]")
-    states = tuple(
-        _plain(ClippedState(None, None, s.skip_count) if isinstance(s, ClippedState) else s)
-        for _, s in found
-    )
+    states = tuple(_plain(_without_nested(s)) for _, s in found)
     if not found:
         return {}
     names = [f"{prefix}/{name}" for prefix, s in zip(prefixes, states) for name, _ in _fields(s)]

@@ -57,14 +57,18 @@ def raise_if_nonfinite(norm, tree, what: str) -> None:
     jax.lax.cond(finite, lambda: None, lambda: jax.debug.callback(report, norm, finite_leaves()))
 
 
-def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str):
+def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str, inverse_scale=None):
     """``(updates scaled down to `threshold`, the scale applied)`` for `updates` of global norm
     `norm`, with the non-finite policy: "propagate" (NaN everywhere), "zero" (zeros, scale 0) or
-    "raise" (`raise_if_nonfinite`)."""
+    "raise" (`raise_if_nonfinite`).
+
+    With `inverse_scale`, `updates` are loss-scaled gradients and `norm` is already their
+    unscaled norm: every element is multiplied once, by the scale times `inverse_scale`."""
     if nonfinite == "raise":
         raise_if_nonfinite(norm, updates, what)
     scale = _functional.clip_scale(norm, _functional.threshold_as(threshold, norm.dtype))
-    updates = _functional.scale_tree(updates, scale)
+    factor = scale if inverse_scale is None else scale * inverse_scale.astype(scale.dtype)
+    updates = _functional.scale_tree(updates, factor)
     if nonfinite == "zero":
         finite = jnp.isfinite(norm)
         updates = zero_unless(finite, updates)
@@ -75,3 +79,12 @@ def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str):
 def zero_unless(ok, tree):
     """`tree` where `ok`, zeros of the same dtypes elsewhere."""
     return jax.tree.map(lambda x: jnp.where(ok, x, jnp.zeros_like(x)), tree)
+
+
+def skip_unless(ok, updates, new_state, old_state):
+    """A true skipped step where `ok` is False: the updates become zeros and the wrapped
+    optimizer's state stays `old_state`, bit for bit (a `where` on every leaf: no `cond`, so it
+    batches, and XLA fuses it into the optimizer's own update)."""
+    updates = zero_unless(ok, updates)
+    state = jax.tree.map(lambda new, old: jnp.where(ok, new, old), new_state, old_state)
+    return updates, state

@@ -53,14 +53,25 @@ def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
         del params
         return ScheduleState(_steps.counter()) if scheduled else optax.EmptyState()
 
+    def step(updates, state, inverse_scale=None):
+        threshold = _steps.threshold_at(max_norm, state.step, name) if scheduled else max_norm
+        new_state = ScheduleState(optax.safe_increment(state.step)) if scheduled else state
+        if inverse_scale is None:
+            return clip_fn(updates, threshold), new_state
+        # The clip is positively homogeneous: clip(g / s, c) = clip(g, c * s) / s. So the norms
+        # are taken of the gradients as they come (no unscaled copy is made first).
+        threshold = _functional.threshold_as(threshold, inverse_scale.dtype) / inverse_scale
+        return _functional.scale_tree(clip_fn(updates, threshold), inverse_scale), new_state
+
     def update_fn(updates, state, params=None):
         del params
-        if not scheduled:
-            return clip_fn(updates, max_norm), state
-        threshold = _steps.threshold_at(max_norm, state.step, name)
-        return clip_fn(updates, threshold), ScheduleState(optax.safe_increment(state.step))
+        return step(updates, state)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    def unscaling(updates, state, params, inverse_scale):
+        del params
+        return (*step(updates, state, inverse_scale), None)
+
+    return _steps.register_unscaling(optax.GradientTransformation(init_fn, update_fn), unscaling)
 
 
 def value_clip(clip_value_min, clip_value_max=_checks.NOT_GIVEN) -> optax.GradientTransformation:
@@ -364,15 +375,16 @@ def global_clip(
             group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "global_clip"),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def step(updates, state, inverse_scale=None):
         threshold = _steps.threshold_at(max_norm, state.step)
         buckets = _groups.layout(
             group_norms, stacked, updates, state.group_norms, "global_clip", axis_name
         )
         norm, bucket_norms = _norms.norms_of(updates, p, axis_name, "global_clip", buckets)
+        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
+            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         updates, scale = _nonfinite.clip_to_threshold(
-            updates, norm, threshold, nonfinite, "global_clip"
+            updates, norm, threshold, nonfinite, "global_clip", inverse_scale
         )
         threshold = _functional.threshold_as(threshold, norm.dtype)
         finite = jnp.isfinite(norm)
@@ -388,4 +400,4 @@ def global_clip(
         )
         return updates, state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _steps.global_norm_transform(init_fn, step)

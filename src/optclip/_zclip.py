@@ -226,13 +226,14 @@ def zclip(
             group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "zclip"),
         )
 
-    def update_fn(updates, state, params=None):
-        del params
+    def step(updates, state, inverse_scale=None):
         dtype = state.mean.dtype
         buckets = _groups.layout(
             group_norms, stacked, updates, state.group_norms, "zclip", axis_name
         )
         norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "zclip", buckets)
+        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
+            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         # Steps so far: every update is counted in exactly one of the two.
@@ -242,7 +243,9 @@ def zclip(
         spike = spike & ~warming & finite
         target = jnp.where(warming, cap, jnp.minimum(jnp.where(spike, clip_value, norm), cap))
         mean, var = _statistics(state, norm, spike, clip_value, warming, rule, dtype)
-        updates, scale = _nonfinite.clip_to_threshold(updates, norm, target, nonfinite, "zclip")
+        updates, scale = _nonfinite.clip_to_threshold(
+            updates, norm, target, nonfinite, "zclip", inverse_scale
+        )
         new_state = ZClipState(
             global_norm=norm,
             threshold=jnp.where(warming, cap, jnp.minimum(boundary, cap)),
@@ -256,4 +259,4 @@ def zclip(
         )
         return updates, new_state
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return _steps.global_norm_transform(init_fn, step)

@@ -569,6 +569,62 @@ def adaptive_checks():
 
 
 # ----------------------------------------------------------------------------------------------
+# 7b. `guarded` inside shard_map: loss scaling, skipped steps and the spike test decide alike on
+# every device (the norm is all-reduced), and equal one device's.
+
+
+def guarded_checks():
+    mesh = mesh_2d()
+    rng = np.random.default_rng(11)
+    tree, specs = mixed_tree(rng)
+    params = jax.tree.map(np.ones_like, tree)
+    steps = [jax.tree.map(lambda x, k=k: np.float32((1 + 0.1 * k) * x), tree) for k in range(8)]
+    steps[5] = jax.tree.map(lambda x: np.float32(100 * x), steps[5])  # a spike
+    steps[6] = dict(steps[6], data=steps[6]["data"].copy())
+    steps[6]["data"][3, 1] = np.inf  # an overflow, on one device only
+    losses = np.float32([2.0, 1.9, 1.8, 1.8, 1.7, 1.7, 1.6, 1.6])
+    guards = dict(  # (sgd: optax's adam is not written for strict dtype promotion)
+        loss_scale=optclip.DynamicLossScale(2.0**4, growth_interval=2),
+        skip_spikes=optclip.SpikeSkip(window=4, k=3.0, min_history=3),
+    )
+    cases = {
+        "global_clip": lambda a: optclip.guarded(
+            optax.sgd(0.1), clip=optclip.global_clip(1.0, axis_name=a), **guards
+        ),
+        "no_clip": lambda a: optclip.guarded(optax.sgd(0.1), axis_name=a, **guards),
+    }
+
+    def run_all(tx, params, grads_seq, losses):
+        state, outs, skipped = tx.init(params), [], []
+        for i, grads in enumerate(grads_seq):
+            scale = optclip.loss_scale(state)
+            grads = jax.tree.map(lambda g, s=scale: g * s, grads)
+            updates, state = tx.update(grads, state, params, value=losses[i])
+            outs.append(updates)
+            skipped.append(state.skipped)
+        return outs, jnp.stack(skipped), optclip.loss_scale(state), state.global_norm
+
+    for name, make in cases.items():
+        one, sharded = make(None), make(specs)
+        want = jax.jit(lambda p, g, v, tx=one: run_all(tx, p, g, v))(params, steps, losses)
+        got = smap(
+            lambda p, g, v, tx=sharded: run_all(tx, p, g, v),
+            mesh,
+            (specs, [specs] * len(steps), P()),
+            ([specs] * len(steps), P(), P(), P()),
+        )(put(params, specs, mesh), [put(g, specs, mesh) for g in steps], losses)
+        check(f"guarded/{name}/updates", got[0], want[0])
+        skips = np.asarray(got[1]).tolist()
+        record(
+            f"guarded/{name}/skipped",
+            skips == np.asarray(want[1]).tolist() and skips[5] and skips[6] and sum(skips) == 2,
+            note=str(skips),
+        )
+        check(f"guarded/{name}/loss_scale", got[2], want[2], 0.0)
+        check(f"guarded/{name}/global_norm", got[3], want[3])
+
+
+# ----------------------------------------------------------------------------------------------
 # 8. `axis_name` checked against the bound axes and against how each leaf varies over the mesh.
 
 
@@ -1126,6 +1182,8 @@ def main():
         pmap_checks()
     with group("adaptive"):
         adaptive_checks()
+    with group("guarded"):
+        guarded_checks()
     with group("axis-checks"):
         axis_check_checks()
     with group("auto"):

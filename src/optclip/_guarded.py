@@ -1,0 +1,241 @@
+"""The guards of a large run around any Optax optimizer, from the clip's one read of the
+gradients: dynamic loss scaling, a true skipped step on overflow, and skipping spikes."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optclip import _functional, _groups, _loss_scale, _nonfinite, _norms, _spikes, _steps
+from optclip._clipped import _check_optimizer
+from optclip._loss_scale import LossScaleState
+from optclip._spikes import SpikeState
+
+
+class GuardedState(NamedTuple):
+    """State of :func:`guarded`."""
+
+    clip_state: optax.OptState  # the clip's (an empty state without a clip)
+    inner_state: optax.OptState  # the wrapped optimizer's: unchanged by a skipped step
+    global_norm: jax.Array  # global norm of the last step's gradients, unscaled, before clipping
+    skipped: jax.Array  # whether the last step was skipped
+    skip_count: jax.Array  # steps skipped so far, for any reason
+    nonfinite_count: jax.Array  # steps so far whose gradients (or loss) were not finite
+    step: jax.Array  # steps so far, skipped ones included
+    scaler: LossScaleState | None  # the dynamic loss scale's state (`loss_scale=`), else None
+    spikes: SpikeState | None  # the spike test's window and counts (`skip_spikes=`), else None
+
+
+def _clip(clip, updates, clip_state, params, inverse, axis_name):
+    """``(clipped unscaled updates, clip state, unscaled global norm)``.
+
+    optclip's clips take the loss-scaled gradients as they are and fold the inverse scale into
+    their norms and their one factor (`_steps.register_unscaling`); the global norm is theirs
+    when they compute it. Any other clip gets the unscaled gradients (which XLA may have to
+    write out once), and the global norm is taken here: for per-leaf clips of big leaves XLA
+    merges it with the clip's own reductions (the same sums of squares)."""
+    folded = None if clip is None else _steps.unscaling_of(clip)
+    norm = None
+    if folded is not None:
+        out, clip_state, norm = folded(updates, clip_state, params, inverse)
+    else:
+        out = updates if inverse is None else _functional.scale_tree(updates, inverse)
+        if clip is not None:
+            out, clip_state = clip.update(out, clip_state, params)
+    if norm is None:
+        norm = _norms.global_norm_of(updates, 2.0, axis_name, "guarded")
+        if inverse is not None:
+            norm = norm * inverse.astype(norm.dtype)
+    return out, clip_state, norm
+
+
+def _check_loss(value):
+    """The loss given as ``value=``: None, or a 0-d real array."""
+    if value is None:
+        return None
+    loss = jnp.asarray(value)
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise ValueError(
+            "`value` (the loss, for the spike test) must be a 0-d float, got an array of "
+            f"shape {loss.shape} and dtype {loss.dtype}; pass the mean loss of the step."
+        )
+    return loss
+
+
+def guarded(
+    optimizer, *, clip=None, loss_scale=None, skip_spikes=None, axis_name=None
+) -> optax.GradientTransformationExtraArgs:
+    r"""Wraps `optimizer` with the guards of a large run: a clip, dynamic loss scaling, and
+    skipped steps on overflow and on spikes, all from one read of the gradients.
+
+    Each step, with :math:`s` the loss scale (1 without `loss_scale`) and :math:`g` the gradients
+    of the loss times :math:`s`:
+
+    .. math::
+        u = \text{optimizer}\big(\text{clip}(g / s)\big), \qquad
+        \text{skip} \iff \lnot\operatorname{finite}(\|g\|) \;\lor\; \text{spike}
+
+    A skipped step returns zero updates and leaves the wrapped optimizer's state exactly as it
+    was (bit for bit): the step did not happen, only the guards' counters moved. Non-finite
+    gradients (an overflow) are always skipped, and lower the loss scale; a finite step counts
+    towards growing it (:class:`DynamicLossScale`). A spike is a gradient norm, or a loss, more
+    than ``k`` standard deviations above the mean of a rolling window (:class:`SpikeSkip`).
+
+    The division by :math:`s` costs no pass over the gradients: optclip's clips
+    (:func:`global_clip`, :func:`autoclip`, :func:`zclip`, :func:`norm_clip`,
+    :func:`average_norm_clip`, :func:`block_rms_clip`) take :math:`g` as it is, divide their
+    norms (scalars) by :math:`s`, and multiply each element once, by their factor times
+    :math:`1/s`; the global norm that decides finiteness and spikes is theirs, or for a clip by
+    parts (or none) the sum of the same per-leaf sums of squares. Any other transformation works
+    too, on :math:`g/s`. This is PyTorch's ``GradScaler`` (``unscale_``, ``clip_grad_norm_``,
+    ``step``, ``update``) or jmp's ``DynamicLossScale`` with ``optax.clip_by_global_norm``, and
+    OLMo-core's ``SkipStepOptimizer``, in one transformation.
+
+    Use it as any optimizer; multiply the loss by :func:`loss_scale` of the state before
+    differentiating, and pass the loss itself (unscaled) as ``value=`` for the loss's spike
+    test::
+
+        scale = optclip.loss_scale(opt_state)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(p) * scale)(params)
+        updates, opt_state = opt.update(grads, opt_state, params, value=loss / scale)
+
+    Pass the gradients in the master weights' dtype (float32: what ``jax.grad`` returns for
+    float32 parameters cast to float16 inside the loss); every update keeps its gradient's dtype.
+
+    Args:
+      optimizer: the ``optax.GradientTransformation`` to wrap. Extra arguments of ``update``
+        (``value=``) reach it.
+      clip: an optax transformation applied to the unscaled gradients before `optimizer`, such
+        as ``optclip.global_clip(1.0)``; None (default) for no clip.
+      loss_scale: None (default: no loss scaling), True (the default
+        :class:`DynamicLossScale`) or a :class:`DynamicLossScale`.
+      skip_spikes: None (default: no spike test), True (the default :class:`SpikeSkip`) or a
+        :class:`SpikeSkip`.
+      axis_name: inside ``shard_map``/``pmap``, the mesh axes the gradients are split over, for
+        the global norm taken here (when the clip does not take it); see :func:`global_norm`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`GuardedState`:
+      ``clip_state``, ``inner_state``, ``global_norm`` (unscaled, before clipping), ``skipped``,
+      ``skip_count``, ``nonfinite_count``, ``step``, ``scaler`` (a :class:`LossScaleState`:
+      ``loss_scale``, ``growth_tracker``, ``overflow_count``) and ``spikes`` (a
+      :class:`SpikeState`). :func:`optclip.metrics` shows them all.
+
+    Raises:
+      TypeError: `optimizer` or `clip` is not a transformation; `loss_scale` or `skip_spikes`
+        is not one of the accepted values.
+      ValueError: at update, a ``value=`` that is not a 0-d float.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> opt = optclip.guarded(optax.sgd(1.0), clip=optclip.global_clip(1.0), loss_scale=True)
+      >>> params = jnp.zeros(2)
+      >>> state = opt.init(params)
+      >>> print(optclip.loss_scale(state))
+      65536.0
+      >>> grads = optclip.loss_scale(state) * jnp.array([3., 4.])  # d(loss * scale) / dparams
+      >>> updates, state = opt.update(grads, state, params)
+      >>> print(updates, state.global_norm)
+      [-0.6 -0.8] 5.0
+      >>> updates, state = opt.update(jnp.array([jnp.inf, 0.]), state, params)  # an overflow
+      >>> print(updates, state.skip_count, optclip.loss_scale(state))
+      [0. 0.] 1 32768.0
+
+    References:
+      Micikevicius et al., 2018, Mixed Precision Training, https://arxiv.org/abs/1710.03740;
+      Team OLMo, 2025, 2 OLMo 2 Furious, https://arxiv.org/abs/2501.00656 (skipping spikes).
+    """
+    _check_optimizer(optimizer)
+    if clip is not None:
+        _check_optimizer(clip, "clip", "optclip.global_clip(1.0)")
+    scaling = _loss_scale.check(loss_scale)
+    spiking = _spikes.check(skip_spikes)
+    inner = optax.with_extra_args_support(optimizer)
+
+    def init_fn(params):
+        dtype = _steps.state_dtype(params)
+        return GuardedState(
+            clip_state=optax.EmptyState() if clip is None else clip.init(params),
+            inner_state=inner.init(params),
+            global_norm=jnp.zeros((), dtype),
+            skipped=jnp.zeros((), jnp.bool_),
+            skip_count=_steps.counter(),
+            nonfinite_count=_steps.counter(),
+            step=_steps.counter(),
+            scaler=None if scaling is None else _loss_scale.init(scaling),
+            spikes=None if spiking is None else _spikes.init(spiking, dtype),
+        )
+
+    def update_fn(updates, state, params=None, **extra_args):
+        loss = _check_loss(extra_args.get("value"))
+        inverse = None if scaling is None else 1 / state.scaler.loss_scale
+        out, clip_state, norm = _clip(clip, updates, state.clip_state, params, inverse, axis_name)
+        finite = jnp.isfinite(norm)
+        ok = finite if loss is None else finite & jnp.all(jnp.isfinite(loss))
+        spike, spikes = jnp.zeros((), jnp.bool_), state.spikes
+        if spiking is not None:
+            spike, norm_limit, loss_limit = _spikes.judge(spiking, state.spikes, norm, loss)
+            spike = spike & ok
+            spikes = _spikes.record(state.spikes, norm, loss, ok, spike, norm_limit, loss_limit)
+        skip = ~ok | spike
+        new_updates, inner_state = inner.update(out, state.inner_state, params, **extra_args)
+        new_updates, inner_state = _nonfinite.skip_unless(
+            ~skip, new_updates, inner_state, state.inner_state
+        )
+        return new_updates, GuardedState(
+            clip_state=clip_state,
+            inner_state=inner_state,
+            global_norm=norm.astype(state.global_norm.dtype),
+            skipped=skip,
+            skip_count=state.skip_count + skip.astype(jnp.int32),
+            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+            step=optax.safe_increment(state.step),
+            scaler=None if scaling is None else _loss_scale.adjust(scaling, state.scaler, finite),
+            spikes=spikes,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _plain(x):
+    """The array in a Flax NNX Variable, or `x` itself."""
+    if not _groups.is_variable(x):
+        return x
+    getter = getattr(x, "get_value", None)
+    return getter() if callable(getter) else x.value
+
+
+def loss_scale(opt_state) -> jax.Array:
+    """The current loss scale in an optimizer state: multiply the loss by it.
+
+    Finds the state of :func:`guarded`'s dynamic loss scale anywhere in `opt_state`: on its own,
+    in ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``, or a Flax NNX
+    ``nnx.Optimizer``'s ``opt_state``. Inside or outside ``jit``; nothing is synced to the host.
+
+    Args:
+      opt_state: an optimizer state (any pytree) holding exactly one dynamic loss scale.
+
+    Returns:
+      A 0-d float32 array.
+
+    Raises:
+      ValueError: `opt_state` holds no dynamic loss scale, or more than one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, optclip
+      >>> opt = optclip.guarded(optax.adam(1e-3), loss_scale=optclip.DynamicLossScale(2.**15))
+      >>> print(optclip.loss_scale(opt.init(jnp.zeros(3))))
+      32768.0
+    """
+    is_scaler = lambda x: isinstance(x, LossScaleState)  # noqa: E731
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scaler) if is_scaler(x)]
+    if len(found) != 1:
+        what = "no dynamic loss scale" if not found else f"{len(found)} dynamic loss scales"
+        raise ValueError(
+            f"`opt_state` holds {what}; `loss_scale` reads the one of an optimizer built with "
+            "`optclip.guarded(..., loss_scale=optclip.DynamicLossScale())`."
+        )
+    return jnp.asarray(_plain(found[0].loss_scale))
