@@ -35,6 +35,15 @@ QUICK_RUNS = {
     "from_tensorflow.py": (["--steps", "5"], [r"both forms give the same weights"]),
     "from_keras.py": (["--steps", "5"], [r"gives the same weights as the explicit chain"]),
     "from_pytorch.py": (["--steps", "5"], [r"^norm 1 = max_norm 1 .* True +False$"]),
+    "large_model.py": (
+        ["--steps", "40", "--spike-at", "32", "--log-every", "10"],
+        [
+            r"^step +0 .* skipped \(overflow\)$",
+            r"^step +32 .* skipped \(spike\)$",
+            r"^steps skipped as spikes: 1 \(steps \[32\]\)$",
+            r"^  blocks/3 ",
+        ],
+    ),
     "loss_scaling.py": (
         ["--steps", "40", "--seeds", "1"],
         [r"^float32\s", r"^float16, loss scaling\s", r"^float16, no loss scaling\s"],
