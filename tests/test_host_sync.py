@@ -61,6 +61,28 @@ CASES: dict[str, object] = {
     "GroupNorms": "a state field (`group_norms=`)",
     "NonFiniteNormError": "an exception class",
     "AxisNameError": "an exception class",
+    "GuardedState": "the state of `guarded`",
+    "LossScaleState": "a field of `guarded`'s state",
+    "SpikeState": "a field of `guarded`'s state",
+    "DynamicLossScale": "the settings of `guarded`'s loss scale (run with `guarded`)",
+    "SpikeSkip": "the settings of `guarded`'s spike test (run with `guarded`)",
+    "loss_scale": "read from a `guarded` state in test_loss_scale_transfers_nothing",
+    "guarded": [
+        Transform(
+            lambda: optclip.guarded(
+                optax.adam(1e-3),
+                clip=optclip.global_clip(1.0, group_norms="leaf"),
+                loss_scale=True,
+                skip_spikes=optclip.SpikeSkip(window=4, k=6.0, min_history=2),
+            )
+        ),
+        Transform(lambda: optclip.guarded(optax.sgd(0.1), clip=optclip.norm_clip(0.5))),
+        Transform(
+            lambda: optclip.guarded(
+                optax.sgd(0.1), clip=optclip.adagc(warmup_steps=2), loss_scale=True
+            )
+        ),
+    ],
     "reraise_errors": "a context manager on the host, around a step (no device work of its own)",
     "ScheduleState": "the state of a per-leaf clip with a schedule",
     "ZClipState": "the state of `zclip`",
@@ -254,3 +276,15 @@ def test_the_guard_does_catch_a_transfer():
         if jax.default_backend() != "cpu":  # (on CPU a read-back copies nothing: allowed)
             with pytest.raises(Exception, match="Disallowed device-to-host"):
                 float(norm(grads))
+
+
+def test_loss_scale_transfers_nothing():
+    """`optclip.loss_scale(state)`, read inside a jitted step, moves nothing to the host."""
+    tx = optclip.guarded(optax.sgd(0.1), clip=optclip.global_clip(1.0), loss_scale=True)
+    params, _ = params_and_grads(steps=1)
+    state = jax.device_put(tx.init(jax.device_put(params)))
+    read = jax.jit(optclip.loss_scale)
+    with jax.transfer_guard("disallow"):
+        scale = read(state)
+        jax.block_until_ready(scale)
+    assert float(scale) == 2.0**16

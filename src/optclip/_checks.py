@@ -355,6 +355,15 @@ def check_count(value, name: str, static: bool) -> None:
 
 
 NONPOSITIVE_REASON = "a threshold <= 0 clips every gradient to zero (TensorFlow's rule)."
+NO_CLIP = "If you meant no clipping, leave the clip out."
+NO_CLIP_CLIPNORM = (
+    "If you meant no clipping (Keras' rule for `clipnorm <= 0`), leave the clip out, or use "
+    "`optclip.clipped(optimizer, clipnorm=...)`, which follows Keras."
+)
+NO_CLIP_GLOBAL_CLIPNORM = (
+    "If you meant no clipping (Keras' rule for `global_clipnorm <= 0`), leave the clip out, or "
+    "use `optclip.clipped(optimizer, global_clipnorm=...)`, which follows Keras."
+)
 
 
 def warn_if_nonpositive(value, call: str, instead: str, reason: str = NONPOSITIVE_REASON) -> None:

@@ -12,16 +12,6 @@ import optax
 from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
 from optclip._groups import GroupNorms
 
-_NO_CLIP = "If you meant no clipping, leave the clip out."
-_NO_CLIP_CLIPNORM = (
-    "If you meant no clipping (Keras' rule for `clipnorm <= 0`), leave the clip out, or use "
-    "`optclip.clipped(optimizer, clipnorm=...)`, which follows Keras."
-)
-_NO_CLIP_GLOBAL_CLIPNORM = (
-    "If you meant no clipping (Keras' rule for `global_clipnorm <= 0`), leave the clip out, or "
-    "use `optclip.clipped(optimizer, global_clipnorm=...)`, which follows Keras."
-)
-
 
 class ScheduleState(NamedTuple):
     """State of a per-leaf norm clip whose threshold is an Optax schedule."""
@@ -177,7 +167,9 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     """
     _checks.check_threshold(max_norm, "max_norm")
     axes = _checks.check_axes(axes)
-    _checks.warn_if_nonpositive(max_norm, f"norm_clip(max_norm={max_norm!r})", _NO_CLIP_CLIPNORM)
+    _checks.warn_if_nonpositive(
+        max_norm, f"norm_clip(max_norm={max_norm!r})", _checks.NO_CLIP_CLIPNORM
+    )
     return _per_leaf_transform(
         lambda updates, threshold: _functional.clip_by_norm(updates, threshold, axes), max_norm
     )
@@ -212,7 +204,9 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
       [1.2 1.6]
     """
     _checks.check_threshold(max_norm, "max_norm")
-    _checks.warn_if_nonpositive(max_norm, f"average_norm_clip(max_norm={max_norm!r})", _NO_CLIP)
+    _checks.warn_if_nonpositive(
+        max_norm, f"average_norm_clip(max_norm={max_norm!r})", _checks.NO_CLIP
+    )
     return _per_leaf_transform(_functional.clip_by_average_norm, max_norm)
 
 
@@ -249,7 +243,9 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
       [1.2 1.6 0.  0. ]
     """
     _checks.check_threshold(threshold, "threshold")
-    _checks.warn_if_nonpositive(threshold, f"block_rms_clip(threshold={threshold!r})", _NO_CLIP)
+    _checks.warn_if_nonpositive(
+        threshold, f"block_rms_clip(threshold={threshold!r})", _checks.NO_CLIP
+    )
     return _per_leaf_transform(_functional.clip_by_block_rms, threshold, "threshold")
 
 
@@ -357,7 +353,7 @@ def global_clip(
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
     _checks.warn_if_nonpositive(
-        max_norm, f"global_clip(max_norm={max_norm!r})", _NO_CLIP_GLOBAL_CLIPNORM
+        max_norm, f"global_clip(max_norm={max_norm!r})", _checks.NO_CLIP_GLOBAL_CLIPNORM
     )
     stacked = _groups.check_stacked(stacked, group_norms)
 
