@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(optclip.__file__).resolve().parent
 LAYERS = [
     ["_errors"],  # errors raised from a compiled step, and `reraise_errors`
     ["_checks"],  # argument validation and its messages
+    ["_warn"],  # the warning for a threshold <= 0
     ["_norm_rules"],  # norms from elementwise terms: fallback, batching and derivative rules
     ["_axes"],  # which mesh axes split each leaf
     ["_layers"],  # key paths; which leaves stack layers, and how the mesh splits them

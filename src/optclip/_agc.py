@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optclip import _axes, _checks, _functional, _groups, _layers, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _layers, _norms, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -191,7 +191,7 @@ def agc(
     _checks.check_number(eps, "eps", "a number >= 0", lambda v: v >= 0)
     axis = _checks.check_axes(axis, "axis")
     _axes.check_axis_name(axis_name)
-    _checks.warn_if_nonpositive(
+    _warn.warn_if_nonpositive(
         clipping,
         f"agc(clipping={clipping!r})",
         "If you meant no clipping, leave the clip out.",

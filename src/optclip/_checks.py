@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
-import sys
-import warnings
 from collections.abc import Sequence
 
 import jax
@@ -21,7 +18,6 @@ import numpy as np
 ORD_ACCEPTED = "1, 2, inf (float('inf') or numpy.inf) or any number p > 0"
 THRESHOLD_ACCEPTED = "a threshold is a number (negative means zero, inf means no clipping)"
 BOUND_ACCEPTED = "a bound is a number or an array of numbers (None or inf for no bound)"
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 class _NotGiven:
@@ -354,37 +350,16 @@ def check_count(value, name: str, static: bool) -> None:
         raise ValueError(f"`{name}` must be an int >= 1, got {value!r}.")
 
 
-NONPOSITIVE_REASON = "a threshold <= 0 clips every gradient to zero (TensorFlow's rule)."
-NO_CLIP = "If you meant no clipping, leave the clip out."
-NO_CLIP_CLIPNORM = (
-    "If you meant no clipping (Keras' rule for `clipnorm <= 0`), leave the clip out, or use "
-    "`optclip.clipped(optimizer, clipnorm=...)`, which follows Keras."
-)
-NO_CLIP_GLOBAL_CLIPNORM = (
-    "If you meant no clipping (Keras' rule for `global_clipnorm <= 0`), leave the clip out, or "
-    "use `optclip.clipped(optimizer, global_clipnorm=...)`, which follows Keras."
-)
-
-
-def warn_if_nonpositive(value, call: str, instead: str, reason: str = NONPOSITIVE_REASON) -> None:
-    """Warns that a concrete threshold <= 0 given to a transformation zeroes every update.
-
-    `call` shows the argument (``"global_clip(max_norm=0.0)"``), `reason` why it zeroes the
-    update, `instead` what the user may have meant. Traced values and schedules are not looked
-    at (`clipped` never calls this: it follows Keras, where <= 0 turns clipping off).
-    """
-    if is_schedule(value):
-        return
-    known = concrete(value)
-    if known is None or known.shape != () or not np.issubdtype(known.dtype, np.number):
-        return
-    if not known <= 0:  # (NaN is an error elsewhere)
-        return
-    frame, level = sys._getframe(), 1
-    while frame.f_back is not None and frame.f_back.f_code.co_filename.startswith(_PACKAGE_DIR):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(
-        f"`{call}` zeroes every update: {reason} {instead}",
-        UserWarning,
-        stacklevel=level + 1,
+def check_settings(value, name: str, settings_type):
+    """An argument that switches a feature on with its settings: None or False (off), True (the
+    default settings) or an instance of `settings_type`; returns the settings or None."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return settings_type()
+    if isinstance(value, settings_type):
+        return value
+    raise TypeError(
+        f"`{name}` must be None, True (the default settings) or an "
+        f"`optclip.{settings_type.__name__}(...)`, got {type(value).__name__}: {value!r}."
     )

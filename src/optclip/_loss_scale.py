@@ -98,16 +98,7 @@ class LossScaleState(NamedTuple):
 
 def check(loss_scale) -> DynamicLossScale | None:
     """`guarded`'s `loss_scale` argument: None, True (the defaults) or a `DynamicLossScale`."""
-    if loss_scale is None or loss_scale is False:
-        return None
-    if loss_scale is True:
-        return DynamicLossScale()
-    if isinstance(loss_scale, DynamicLossScale):
-        return loss_scale
-    raise TypeError(
-        "`loss_scale` must be None, True (the default settings) or an "
-        f"`optclip.DynamicLossScale(...)`, got {type(loss_scale).__name__}: {loss_scale!r}."
-    )
+    return _checks.check_settings(loss_scale, "loss_scale", DynamicLossScale)
 
 
 def init(config: DynamicLossScale) -> LossScaleState:

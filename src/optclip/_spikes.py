@@ -97,16 +97,7 @@ class SpikeState(NamedTuple):
 
 def check(skip_spikes) -> SpikeSkip | None:
     """`guarded`'s `skip_spikes` argument: None, True (the defaults) or a `SpikeSkip`."""
-    if skip_spikes is None or skip_spikes is False:
-        return None
-    if skip_spikes is True:
-        return SpikeSkip()
-    if isinstance(skip_spikes, SpikeSkip):
-        return skip_spikes
-    raise TypeError(
-        "`skip_spikes` must be None, True (the default settings) or an "
-        f"`optclip.SpikeSkip(...)`, got {type(skip_spikes).__name__}: {skip_spikes!r}."
-    )
+    return _checks.check_settings(skip_spikes, "skip_spikes", SpikeSkip)
 
 
 def init(config: SpikeSkip, dtype) -> SpikeState:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -167,8 +167,8 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     """
     _checks.check_threshold(max_norm, "max_norm")
     axes = _checks.check_axes(axes)
-    _checks.warn_if_nonpositive(
-        max_norm, f"norm_clip(max_norm={max_norm!r})", _checks.NO_CLIP_CLIPNORM
+    _warn.warn_if_nonpositive(
+        max_norm, f"norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP_CLIPNORM
     )
     return _per_leaf_transform(
         lambda updates, threshold: _functional.clip_by_norm(updates, threshold, axes), max_norm
@@ -204,8 +204,8 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
       [1.2 1.6]
     """
     _checks.check_threshold(max_norm, "max_norm")
-    _checks.warn_if_nonpositive(
-        max_norm, f"average_norm_clip(max_norm={max_norm!r})", _checks.NO_CLIP
+    _warn.warn_if_nonpositive(
+        max_norm, f"average_norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP
     )
     return _per_leaf_transform(_functional.clip_by_average_norm, max_norm)
 
@@ -243,8 +243,8 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
       [1.2 1.6 0.  0. ]
     """
     _checks.check_threshold(threshold, "threshold")
-    _checks.warn_if_nonpositive(
-        threshold, f"block_rms_clip(threshold={threshold!r})", _checks.NO_CLIP
+    _warn.warn_if_nonpositive(
+        threshold, f"block_rms_clip(threshold={threshold!r})", _warn.NO_CLIP
     )
     return _per_leaf_transform(_functional.clip_by_block_rms, threshold, "threshold")
 
@@ -352,8 +352,8 @@ def global_clip(
     _axes.check_axis_name(axis_name)
     _checks.check_choice(nonfinite, "nonfinite", ("propagate", "zero", "raise"))
     group_norms = _groups.check_spec(group_norms)
-    _checks.warn_if_nonpositive(
-        max_norm, f"global_clip(max_norm={max_norm!r})", _checks.NO_CLIP_GLOBAL_CLIPNORM
+    _warn.warn_if_nonpositive(
+        max_norm, f"global_clip(max_norm={max_norm!r})", _warn.NO_CLIP_GLOBAL_CLIPNORM
     )
     stacked = _groups.check_stacked(stacked, group_norms)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -189,7 +189,7 @@ def zclip(
     _checks.check_number(z_thresh, "z_thresh", "a number > 0", lambda v: v > 0)
     if max_norm is not None:
         _checks.check_threshold(max_norm, "max_norm")
-        _checks.warn_if_nonpositive(
+        _warn.warn_if_nonpositive(
             max_norm,
             f"zclip(max_norm={max_norm!r})",
             "If you meant no absolute cap, pass `max_norm=None`.",
