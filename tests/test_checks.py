@@ -361,6 +361,33 @@ def test_metrics_of_an_optimizer_or_a_factory_says_to_pass_the_state():
     assert optclip.metrics(opt.init(jnp.ones(2)))  # the state itself is read
 
 
+FACTORIES = [
+    "value_clip",
+    "norm_clip",
+    "average_norm_clip",
+    "block_rms_clip",
+    "global_clip",
+    "clipped",
+    "guarded",
+    "agc",
+    "autoclip",
+    "zclip",
+    "adagc",
+]
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", FACTORIES)
+def test_a_factory_left_uncalled_in_a_chain_says_to_call_it(name):
+    factory = getattr(optclip, name)
+    opt = optax.chain(factory, optax.adam(1e-3))  # (optax reads `init` and `update` here)
+    message = rf"`optclip.{name}` is a factory of transformations, not a transformation: call it"
+    with pytest.raises(TypeError, match=message):
+        opt.init({"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=message):
+        opt.update({"w": jnp.ones(2)}, ((), ()))
+
+
 # A threshold <= 0 given to a transformation warns; `clipped` and the functions do not ----
 
 

@@ -25,6 +25,7 @@ LAYERS = [
     ["_layers"],  # key paths; which leaves stack layers, and how the mesh splits them
     ["_groups"],  # which group each leaf is in
     ["_norms"],  # the norm of leaves and trees (stacking, buckets, devices)
+    ["_scale"],  # the scale every clip shares, and its derivative
     ["_functional"],  # TensorFlow's clipping functions
     ["_per_example"],  # per-example (DP-SGD) clipping
     ["_steps", "_nonfinite"],  # state helpers; the non-finite policies

@@ -54,6 +54,7 @@ MULTIDEVICE_GROUPS = [
     "shard_map-overflow-tiny",
     "shard_map-overflow-ord",
     "shard_map-overflow-inf",
+    "shard_map-nan-underflow",
     "shard_map-optax-differs",
     "pmap",
     "adaptive",

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _functional, _groups, _nonfinite, _norms, _steps
+from optclip import _checks, _groups, _nonfinite, _norms, _scale, _steps
 from optclip._groups import GroupNorms
 
 
@@ -39,7 +39,7 @@ def _leaf_scales(gamma, leaf_norms, norm, cap, warming, finite, rule: _Rule):
     `cap` (thresholds inf), then each leaf clipped at ``lambda_rel * gamma``; NaN scales for a
     non-finite `norm`.
 
-    The scales are `_functional.clip_scale`'s, bit for bit, written as one division at the end:
+    The scales are `_scale.clip_scale`'s, bit for bit, written as one division at the end:
     XLA does not copy a division into the loops that multiply the leaves by their scale, while
     the selects that `clip_scale` ends with were recomputed there for every element (1.3x the
     step's time on the CPU).
@@ -52,7 +52,7 @@ def _leaf_scales(gamma, leaf_norms, norm, cap, warming, finite, rule: _Rule):
     valid = finite & ~jnp.isnan(limit)
     scales = jnp.where(valid, jnp.where(over, limit, 1), jnp.nan) / jnp.where(over, value, 1)
     clipped = jnp.where(
-        warming, leaf_norms * _functional.clip_scale(norm, cap), jnp.minimum(leaf_norms, thresholds)
+        warming, leaf_norms * _scale.clip_scale(norm, cap), jnp.minimum(leaf_norms, thresholds)
     )
     return scales, jnp.where(warming, jnp.inf, thresholds), clipped
 
@@ -84,6 +84,7 @@ def _leaf_field(names, values) -> GroupNorms:
     return GroupNorms(names, values)
 
 
+@_checks.factory
 def adagc(
     max_norm=1.0,
     lambda_rel=1.05,
@@ -190,7 +191,7 @@ def adagc(
     rule = _Rule(lambda_rel, beta)
 
     def cap_at(step, dtype):
-        return _functional.threshold_as(_steps.threshold_at(max_norm, step), dtype)
+        return _scale.threshold_as(_steps.threshold_at(max_norm, step), dtype)
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
@@ -227,7 +228,7 @@ def adagc(
         )
         leaves, treedef = jax.tree.flatten(updates)
         factors = scales if inverse_scale is None else scales * inverse_scale.astype(dtype)
-        out = [_functional.apply_scale(g, factors[i]) for i, g in enumerate(leaves)]
+        out = [_scale.apply_scale(g, factors[i]) for i, g in enumerate(leaves)]
         out_norm = _norms.tree_norm([clipped], [()], 2.0).astype(dtype)
         scale = jnp.where(norm > 0, out_norm / jnp.where(norm > 0, norm, 1), 1)
         scale = jnp.where(finite, scale, jnp.nan)

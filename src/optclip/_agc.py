@@ -12,7 +12,7 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from optclip import _axes, _checks, _functional, _groups, _layers, _norms, _steps, _warn
+from optclip import _axes, _checks, _groups, _layers, _norms, _scale, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -48,6 +48,14 @@ def _layer_unit_axes(shape: tuple, axis, path, stack) -> tuple:
         return _unit_axes(shape, axis, path)
     inner = _unit_axes(shape[: stack.axis] + shape[stack.axis + 1 :], axis, path)
     return tuple(d + (d >= stack.axis) for d in inner)
+
+
+def _unit_norm(x, dims):
+    """The 2-norm of each unit of `x` (over `dims`). A unit whose squares sum to exactly zero
+    is trusted to be zero (`_norms.leaf_norm`'s `zero_is_exact`): zero-initialised layers must
+    not send every step down the rescaled path, and the clip cannot tell 0 from ~1e-19 anyway,
+    since its threshold is ``clipping * max(weight norm, eps)``."""
+    return _norms.leaf_norm(x, 2.0, dims, zero_is_exact=True)
 
 
 def _split_axes(spec, dims) -> tuple:
@@ -109,6 +117,7 @@ def _flatten_with_params(updates, params):
     return paths_and_updates, treedef, param_leaves
 
 
+@_checks.factory
 def agc(
     clipping=0.01, eps=1e-3, *, axis=None, axis_name=None, group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
@@ -226,8 +235,8 @@ def agc(
                 )
             dims = _layer_unit_axes(_global_shape(g.shape, spec), axis, path, stack)
             mesh_axes = _split_axes(spec, dims)
-            g_norm = _norms.all_reduce_norm(_norms.leaf_norm(g, 2.0, dims), mesh_axes)
-            w_norm = _norms.all_reduce_norm(_norms.leaf_norm(w, 2.0, dims), mesh_axes)
+            g_norm = _norms.all_reduce_norm(_unit_norm(g, dims), mesh_axes)
+            w_norm = _norms.all_reduce_norm(_unit_norm(w, dims), mesh_axes)
             if inverse_scale is not None:  # loss-scaled gradients: the unscaled unit norms
                 g_norm = g_norm * inverse_scale.astype(g_norm.dtype)
             g_norm = g_norm.astype(state.global_norm.dtype)
@@ -235,11 +244,11 @@ def agc(
             limit = _steps.as_dtype(clipping, w_norm.dtype) * jnp.maximum(
                 w_norm, _steps.as_dtype(eps, w_norm.dtype)
             )
-            limit = _functional.threshold_as(limit, w_norm.dtype)
-            factor = _functional.clip_scale(g_norm, limit)
+            limit = _scale.threshold_as(limit, w_norm.dtype)
+            factor = _scale.clip_scale(g_norm, limit)
             if inverse_scale is not None:
                 factor = factor * inverse_scale.astype(factor.dtype)
-            out.append(_functional.apply_scale(g, factor))
+            out.append(_scale.apply_scale(g, factor))
             unit_norms.append(g_norm)
             unit_limits.append(jnp.broadcast_to(limit, g_norm.shape))
             kept = tuple(d for d in range(g.ndim) if d not in dims)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _axes, _checks, _groups, _nonfinite, _norms, _steps
+from optclip import _axes, _checks, _groups, _nonfinite, _steps
 from optclip._groups import GroupNorms
 
 
@@ -49,6 +49,7 @@ def _percentile(values, filled, q):
     return jnp.where(filled > 0, result, jnp.inf)
 
 
+@_checks.factory
 def autoclip(
     percentile=10.0,
     history=1000,
@@ -136,12 +137,9 @@ def autoclip(
 
     def step(updates, state, inverse_scale=None):
         dtype = state.norms.dtype
-        buckets = _groups.layout(
-            group_norms, stacked, updates, state.group_norms, "autoclip", axis_name
+        norm, bucket_norms = _steps.clip_norms(
+            updates, state.group_norms, group_norms, stacked, axis_name, "autoclip", inverse_scale
         )
-        norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "autoclip", buckets)
-        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
-            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         norms = jnp.where(finite, state.norms.at[state.next_index].set(norm), state.norms)

@@ -59,7 +59,7 @@ def check_scalar(value, name: str, *, allow_nan: bool = False):
     """Checks that a threshold is a 0-d real number, not a concrete NaN; returns it unchanged.
 
     A NaN threshold is an error when it is known now (a traced NaN makes the clipped values
-    NaN, see `_functional.clip_scale`). `allow_nan` is for a norm given in place of the computed
+    NaN, see `_scale.clip_scale`). `allow_nan` is for a norm given in place of the computed
     one (`use_norm`), which may be NaN as any norm may.
     """
     if isinstance(value, (bool, np.bool_)):
@@ -363,3 +363,28 @@ def check_settings(value, name: str, settings_type):
         f"`{name}` must be None, True (the default settings) or an "
         f"`optclip.{settings_type.__name__}(...)`, got {type(value).__name__}: {value!r}."
     )
+
+
+def factory(fn):
+    """Marks `fn` as a factory of transformations. Passed uncalled where a transformation
+    belongs (``optax.chain(optclip.global_clip, optax.adam(1e-3))``), optax reads its `init` and
+    `update`; both raise a `TypeError` that says to call it, where optax alone would fail with
+    "'function' object has no attribute 'init'"."""
+
+    def uncalled(*args, **kwargs):
+        raise TypeError(
+            f"`optclip.{fn.__name__}` is a factory of transformations, not a transformation: "
+            f"call it with its arguments (`optclip.{fn.__name__}(...)`) where an optax "
+            "transformation is expected."
+        )
+
+    uncalled.factory = fn  # type: ignore[attr-defined]
+    fn.init = uncalled
+    fn.update = uncalled
+    return fn
+
+
+def is_factory(value) -> bool:
+    """Whether `value` is one of optclip's factories (`factory`), whose `init` and `update`
+    are there only to raise."""
+    return getattr(getattr(value, "init", None), "factory", None) is value

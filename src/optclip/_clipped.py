@@ -26,6 +26,7 @@ def _check_optimizer(optimizer, arg: str = "optimizer", example: str = "optax.ad
     """`clipped` wraps a transformation: not an optimizer's factory, nor anything else."""
     if (
         not isinstance(optimizer, type)
+        and not _checks.is_factory(optimizer)
         and callable(getattr(optimizer, "init", None))
         and callable(getattr(optimizer, "update", None))
     ):
@@ -52,6 +53,7 @@ def _keras_threshold(value):
     return jnp.where(value <= 0, jnp.array(jnp.inf, value.dtype), value)
 
 
+@_checks.factory
 def clipped(
     optimizer,
     *,

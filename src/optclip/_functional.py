@@ -12,38 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _axes, _checks, _norm_rules, _norms
-
-
-def threshold_as(value, dtype):
-    """A checked threshold as a 0-d array of `dtype`, negative values raised to zero."""
-    return jnp.maximum(_checks.as_array(value, dtype), 0)
-
-
-def clip_scale(norm, threshold):
-    """``threshold / max(norm, threshold)``, guarded: 1 at or under the threshold (zero included),
-    NaN when the norm is not finite or the threshold is NaN (a traced NaN threshold is never a
-    silent "no clip"). Finite gradient everywhere the norm is finite."""
-    over = norm > threshold
-    scale = jnp.where(over, threshold / jnp.where(over, norm, 1), 1)
-    return jnp.where(jnp.isfinite(norm) & ~jnp.isnan(threshold), scale, jnp.nan)
-
-
-def apply_scale(x, scale):
-    """``x * scale`` rounded once to `x`'s dtype (float16 and bfloat16 are scaled in float32);
-    `x` itself, bit for bit, where the scale is 1 (XLA on CPU flushes subnormal numbers to zero
-    in any arithmetic, ``x * 1`` included)."""
-    x = jnp.asarray(x)
-    scale = _norms.on_devices_of(scale, x)  # eager leaves on several devices: scale each there
-    # Not `jnp.promote_types`: under jax_numpy_dtype_promotion='strict' it refuses bfloat16.
-    work = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
-    scaled = (x.astype(work) * scale.astype(work)).astype(x.dtype)
-    return jnp.where(scale == 1, x, scaled)
-
-
-def scale_tree(tree, scale):
-    """Every leaf of `tree` multiplied by the scalar `scale`."""
-    return jax.tree.map(lambda x: apply_scale(x, scale), tree)
+from optclip import _axes, _checks, _norm_rules, _norms, _scale
 
 
 def global_norm(tree, *, ord=2, axis_name=None):
@@ -218,8 +187,10 @@ def clip_by_norm(tree, clip_norm, axes=None):
         _checks.check_float_leaf(path, x, "clip_by_norm")
         x = jnp.asarray(x)
         leaf_axes = None if axes is None else _checks.normalize_axes(axes, path, x.ndim)
-        norm = _norms.leaf_norm(x, 2.0, leaf_axes)
-        return apply_scale(x, clip_scale(norm, threshold_as(clip_norm, norm.dtype)))
+        # Zero rows are common (embeddings): a row whose squares sum to exactly zero is
+        # trusted; a whole leaf's norm is exact.
+        norm = _norms.leaf_norm(x, 2.0, leaf_axes, zero_is_exact=leaf_axes is not None)
+        return _scale.clip(x, norm, clip_norm)
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
@@ -302,7 +273,7 @@ def _clip_size_normalised(tree, threshold, divisor, what: str):
         _checks.check_float_leaf(path, x, what)
         x = jnp.asarray(x)
         value = _norms.leaf_norm(x, 2.0) / divisor(max(x.size, 1))
-        return apply_scale(x, clip_scale(value, threshold_as(threshold, value.dtype)))
+        return _scale.clip(x, value, threshold)
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
@@ -353,5 +324,5 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
     else:
         _checks.check_scalar(use_norm, "use_norm", allow_nan=True)
         norm = jnp.asarray(use_norm).astype(dtype)
-    scale = clip_scale(norm, threshold_as(clip_norm, norm.dtype))
-    return scale_tree(tree, scale), norm
+    scale, small = _scale.clip_scale_parts(norm, _scale.threshold_as(clip_norm, norm.dtype))
+    return _scale.scale_tree(tree, scale, small), norm

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _functional, _groups, _loss_scale, _nonfinite, _norms, _spikes, _steps
+from optclip import _checks, _groups, _loss_scale, _nonfinite, _norms, _scale, _spikes, _steps
 from optclip._clipped import _check_optimizer
 from optclip._loss_scale import LossScaleState
 from optclip._spikes import SpikeState
@@ -42,7 +42,7 @@ def _clip(clip, updates, clip_state, params, inverse, axis_name):
     if folded is not None:
         out, clip_state, norm = folded(updates, clip_state, params, inverse)
     else:
-        out = updates if inverse is None else _functional.scale_tree(updates, inverse)
+        out = updates if inverse is None else _scale.scale_tree(updates, inverse)
         if clip is not None:
             out, clip_state = clip.update(out, clip_state, params)
     if norm is None:
@@ -65,6 +65,7 @@ def _check_loss(value):
     return loss
 
 
+@_checks.factory
 def guarded(
     optimizer, *, clip=None, loss_scale=None, skip_spikes=None, axis_name=None
 ) -> optax.GradientTransformationExtraArgs:

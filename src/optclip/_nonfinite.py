@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from optclip import _axes, _checks, _errors, _functional
+from optclip import _axes, _checks, _errors, _scale
 
 
 class NonFiniteNormError(FloatingPointError):
@@ -66,9 +66,10 @@ def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str, inver
     unscaled norm: every element is multiplied once, by the scale times `inverse_scale`."""
     if nonfinite == "raise":
         raise_if_nonfinite(norm, updates, what)
-    scale = _functional.clip_scale(norm, _functional.threshold_as(threshold, norm.dtype))
+    scale, small = _scale.clip_scale_parts(norm, _scale.threshold_as(threshold, norm.dtype))
     factor = scale if inverse_scale is None else scale * inverse_scale.astype(scale.dtype)
-    updates = _functional.scale_tree(updates, factor)
+    updates = _scale.scale_tree(updates, factor, small)
+    scale = scale * small
     if nonfinite == "zero":
         finite = jnp.isfinite(norm)
         updates = zero_unless(finite, updates)

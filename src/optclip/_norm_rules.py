@@ -64,9 +64,11 @@ def root(total, p):
     return pow0(total, 1 / p)
 
 
-def real_parts(x):
-    """The real components of `x` in its accumulation dtype: ``(x,)`` or ``(re, im)``."""
-    acc = accum_dtype(x.dtype)
+def real_parts(x, acc=None):
+    """The real components of `x` in its accumulation dtype (or `acc`, the accumulation dtype
+    of the tree it belongs to: a float32 leaf of a tree with float64 leaves is accumulated in
+    float64): ``(x,)`` or ``(re, im)``."""
+    acc = accum_dtype(x.dtype) if acc is None else acc
     if jnp.iscomplexobj(x):
         return jnp.real(x).astype(acc), jnp.imag(x).astype(acc)
     return (x.astype(acc),)
@@ -87,10 +89,10 @@ def power_of_two_scale(m):
     return jnp.ldexp(one, exponent), jnp.ldexp(one, -exponent)
 
 
-def magnitude_power(x, p, inverse_scale=None):
-    """``|x * inverse_scale| ** p`` elementwise, in the accumulation dtype (``|z|**2`` for
-    complex)."""
-    parts = real_parts(x)
+def magnitude_power(x, p, inverse_scale=None, acc=None):
+    """``|x * inverse_scale| ** p`` elementwise, in the accumulation dtype (or `acc`; see
+    `real_parts`) (``|z|**2`` for complex)."""
+    parts = real_parts(x, acc)
     if inverse_scale is not None:
         parts = tuple(c * inverse_scale.astype(c.dtype) for c in parts)
     if len(parts) == 2:
@@ -130,19 +132,53 @@ def max_over(a, axis):
     return jnp.max(a, axis=axis, initial=0)
 
 
-def needs_rescale(total, p, zero_is_exact: bool):
-    """Where a plain sum of powers lost the norm: it overflowed or underflowed (elementwise).
+def nan_count_over(a, axis):
+    """How many elements of `a` are NaN, over `axis`, as a float of `a`'s dtype."""
+    return jnp.sum(jnp.isnan(a), axis=axis, dtype=a.dtype)
+
+
+def max_norm(largest, nan_count):
+    """The infinity norm from the largest magnitudes and the number of NaN among them: NaN
+    wherever a NaN was counted.
+
+    A max-reduction alone cannot be trusted with NaN: XLA on CPU reduces large arrays (4096
+    elements and more) with vector instructions whose maximum drops a NaN operand, so the answer
+    may be finite (or -inf, clamped to 0 by the initial value). A sum of NaN counts cannot lose
+    them."""
+    return jnp.where(nan_count > 0, jnp.nan, largest)
+
+
+def leaf_max_norm(magnitudes, axis=None, keepdims=False):
+    """`max_norm` of `magnitudes` over `axis` (all of it by default)."""
+    largest = jnp.max(magnitudes, axis=axis, keepdims=keepdims, initial=0)
+    nan_count = jnp.sum(jnp.isnan(magnitudes), axis=axis, keepdims=keepdims)
+    return max_norm(largest, nan_count)
+
+
+# A sum of `count` powers is trusted above `count * smallest_normal * UNDERFLOW_MARGIN`: each
+# power that flushed to zero was below the smallest normal number, so together they are at
+# most 2**-30 of such a sum. (For float32 squares, a root mean square below ~3.5e-15 takes the
+# rescaled path; no ordinary gradient is that small.) The margin also covers sums of pieces
+# split over up to 2**6 devices, each counting only its own elements.
+UNDERFLOW_MARGIN = 2.0**30
+
+
+def needs_rescale(total, p, count: int, zero_is_exact: bool):
+    """Where a plain sum of `count` powers lost the norm (elementwise): it overflowed (``inf``),
+    or it is small enough that powers which flushed to zero (below the smallest normal number)
+    could matter in it.
 
     A sum that is exactly zero comes from an all-zero input or from values whose powers all
     flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
-    that zero slices, common in per-slice clipping, do not take the slow path; orders above 2
-    flush much sooner (``1e-5 ** 8``) and never trust it.
+    that zero slices (embedding rows, padding examples, frozen layers) do not send every step
+    down the slow path; such a slice's norm is then 0 instead of at most ~1e-19 times the
+    square root of its size. Orders above 2 flush much sooner (``1e-5 ** 8``) and never trust it.
     """
-    tiny = jnp.finfo(total.dtype).smallest_normal
+    bound = jnp.finfo(total.dtype).smallest_normal * max(count, 1) * UNDERFLOW_MARGIN
     if zero_is_exact and is_static(p) and p <= 2.0:
-        low = (total > 0) & (total < tiny)
+        low = (total > 0) & (total < bound)
     else:
-        low = total < tiny
+        low = total < bound
     return (total == jnp.inf) | low
 
 
@@ -154,7 +190,7 @@ def _rescaled_norm(largest: Callable, rescaled_total: Callable, p):
     # would divide by scale**2, which overflows).
     scale, inverse = lax.stop_gradient(power_of_two_scale(m))
     norm = scale * root(rescaled_total(inverse), p)
-    return jnp.where(m == jnp.inf, jnp.inf, norm)
+    return jnp.where((m == jnp.inf) & ~jnp.isnan(norm), jnp.inf, norm)
 
 
 def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, needs):
@@ -179,7 +215,9 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, needs):
     return lax.cond(needs_rescale, rescaled, plain)
 
 
-def norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bool = True):
+def norm_with_rules(
+    arrays, p, reduce, largest, expand, needs_rescale, rules: bool = True, acc=None
+):
     """The `p`-norms of `arrays` (a list), with a batching rule and a differentiation rule.
 
     The norms may come in several "views" of the same arrays (per group of leaves, and of all of
@@ -191,7 +229,10 @@ def norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bo
     * `largest(arrays)` is the largest magnitude, reduced the same way;
     * `expand(values, i, array)` is, for each view, norm-shaped `values` broadcast against
       ``arrays[i]`` (a list, one entry per view);
-    * `needs_rescale(total)` says, norm by norm, where a plain sum lost its norm.
+    * `needs_rescale(total)` says, norm by norm, where a plain sum lost its norm;
+    * `acc` is the dtype every array is accumulated in (default: each its own, `accum_dtype`);
+      a tree mixing float64 and float32 leaves accumulates all of them in float64, so that a
+      float64 scale of the fallback is never cast to float32 (where ``2**665`` is inf).
 
     The norms themselves are `_safe_norm`'s. Two custom rules (with `rules`, for a static order
     and no collectives):
@@ -201,15 +242,15 @@ def norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bo
       any example needs the fallback.
     * differentiation: `d||x||_p = sum((|x|/n)**(p-2) * (x/n) * dx)`, with `x/n` computed with a
       power-of-two scale (no overflow, no flush to zero); zero at `n == 0`. This is the exact
-      derivative of the norm, whichever branch computed it.
+      derivative of the norm, whichever branch computed it (`_norm_tangent`).
     """
 
     def totals(arrays, inverse_scale=None):
         if inverse_scale is None:
-            plain = [magnitude_power(a, p) for a in arrays]  # shared by every view
+            plain = [magnitude_power(a, p, acc=acc) for a in arrays]  # shared by every view
             return reduce([plain] * len(expand(None, None, None)))
         per_array = [
-            [magnitude_power(a, p, s) for s in expand(inverse_scale, i, a)]
+            [magnitude_power(a, p, s, acc) for s in expand(inverse_scale, i, a)]
             for i, a in enumerate(arrays)
         ]
         return reduce([list(view) for view in zip(*per_array)])
@@ -260,7 +301,7 @@ def norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bo
         (arrays,), (darrays,) = primals, tangents
         n = norm(arrays)
         per_array = [
-            [_norm_tangent(a, da, n_view, p) for n_view in expand(n, i, a)]
+            [_norm_tangent(a, da, n_view, p, acc) for n_view in expand(n, i, a)]
             for i, (a, da) in enumerate(zip(arrays, darrays))
         ]
         return n, reduce([list(view) for view in zip(*per_array)])
@@ -268,15 +309,43 @@ def norm_with_rules(arrays, p, reduce, largest, expand, needs_rescale, rules: bo
     return norm(arrays)
 
 
-def _norm_tangent(x, dx, n, p: float):
-    """Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`
-    (`n` broadcasts against `x`)."""
+def _norm_tangent(x, dx, n, p: float, acc=None):
+    r"""Elementwise terms of the derivative of the `p`-norm `n` of `x` in the direction `dx`
+    (`n` broadcasts against `x`):
+
+    .. math::
+        dn = \sum_i w_i \, \mathrm{Re}(\bar u_i \, dx_i), \quad
+        w_i = (|x_i| / n)^{p-1}, \quad u_i = x_i / |x_i|
+
+    For ``p == 2`` that is ``Re(conj(x_i) / n * dx_i)``, with ``x / n`` formed through a power of
+    two near `n` (no overflow of ``n**2``, which JAX's own rule for ``sqrt`` would form). For
+    other orders the weight is ``exp((p - 1) * (log|x_i| - log n))``: the ratio ``|x_i| / n``
+    itself may be below the smallest normal number (``1 / 3e38``) and flush to zero, while its
+    power (1 for ``p == 1``, large for ``p < 1``) is finite. Zero terms where ``x_i == 0`` (a
+    subgradient for ``p <= 1``) or ``n == 0``.
+    """
+    out_dtype = n.dtype
+    parts = real_parts(x, acc)
+    dparts = real_parts(jnp.asarray(dx, x.dtype), acc)
+    n = n.astype(parts[0].dtype)
     n_safe = jnp.where((n == 0) | ~jnp.isfinite(n), 1, n)
-    _, inverse = power_of_two_scale(n_safe)
-    n_scaled = n_safe * inverse  # in [0.5, 1): dividing by it is safe
-    ratio = [c * inverse.astype(c.dtype) / n_scaled.astype(c.dtype) for c in real_parts(x)]
-    directional = sum(r * d for r, d in zip(ratio, real_parts(jnp.asarray(dx, x.dtype))))
-    if p != 2.0:
-        magnitude = jnp.abs(ratio[0]) if len(ratio) == 1 else jnp.hypot(*ratio)
-        directional = pow0(magnitude, p - 2) * directional
-    return jnp.where(n == 0, 0, directional).astype(n.dtype)
+    if p == 2.0:
+        _, inverse = power_of_two_scale(n_safe)
+        n_scaled = n_safe * inverse  # in [0.5, 1): dividing by it is safe
+        directional = sum((c * inverse) / n_scaled * d for c, d in zip(parts, dparts))
+        return jnp.where(n == 0, 0, directional).astype(out_dtype)
+    # |x_i| and the unit u_i, through a power of two near max(|re|, |im|): exact for tiny and
+    # huge values alike.
+    largest = parts[0] if len(parts) == 1 else jnp.maximum(*(jnp.abs(c) for c in parts))
+    big, small = power_of_two_scale(jnp.abs(largest))
+    scaled = [c * small for c in parts]  # the largest part in [0.5, 1)
+    length = jnp.abs(scaled[0]) if len(parts) == 1 else jnp.hypot(*scaled)
+    nonzero = length > 0
+    length_safe = jnp.where(nonzero, length, 1)
+    along = sum(c / length_safe * d for c, d in zip(scaled, dparts))  # Re(conj(u) dx)
+    if p == 1.0:
+        weight = jnp.ones_like(length)
+    else:
+        log_ratio = jnp.log(length_safe) + jnp.log(big) - jnp.log(n_safe)
+        weight = jnp.exp((p - 1) * jnp.minimum(log_ratio, 0))  # |x_i| <= n: the ratio is <= 1
+    return jnp.where((n == 0) | ~nonzero, 0, weight * along).astype(out_dtype)

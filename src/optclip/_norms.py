@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from optclip import _axes, _checks, _groups, _layers, _norm_rules
-from optclip._norm_rules import accum_dtype, max_over, sum_over, widest_accum_dtype
+from optclip._norm_rules import accum_dtype, max_over, nan_count_over, sum_over
 
 # Leaves with at most this many elements are stacked with others of their shape before reducing.
 STACK_MAX_SIZE = 1 << 14
@@ -36,18 +36,20 @@ STACK_MAX_SIZE = 1 << 14
 STACK_CHUNK = 128
 
 
-def leaf_norm(x, p: float = 2.0, axes=None):
+def leaf_norm(x, p: float = 2.0, axes=None, zero_is_exact: bool = False):
     """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
 
-    `axes` must already be normalised (a tuple of non-negative ints) or None.
+    `axes` must already be normalised (a tuple of non-negative ints) or None. With
+    `zero_is_exact`, a slice whose sum of powers is exactly zero is trusted (see
+    `_norm_rules.needs_rescale`): for per-slice and per-unit norms, where zero rows are common.
     """
     keepdims = axes is not None
     if p == math.inf:
         magnitude = _norm_rules.magnitude(x)
-        return jnp.max(magnitude, axis=axes, keepdims=keepdims, initial=0).astype(
-            jnp.promote_types(magnitude.dtype, accum_dtype(x.dtype))
-        )
+        norm = _norm_rules.leaf_max_norm(magnitude, axes, keepdims)
+        return norm.astype(jnp.promote_types(magnitude.dtype, accum_dtype(x.dtype)))
     acc = accum_dtype(x.dtype)
+    count = math.prod(x.shape[a] for a in axes) if axes is not None else x.size
     return _norm_rules.norm_with_rules(
         [x],
         p,
@@ -56,7 +58,7 @@ def leaf_norm(x, p: float = 2.0, axes=None):
             _norm_rules.part_magnitude(arrays[0]), axis=axes, keepdims=keepdims, initial=0
         ).astype(acc),
         expand=lambda values, i, array: [values],
-        needs_rescale=lambda total: _norm_rules.needs_rescale(total, p, zero_is_exact=True),
+        needs_rescale=lambda total: _norm_rules.needs_rescale(total, p, count, zero_is_exact),
     )
 
 
@@ -262,14 +264,15 @@ def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
     return jnp.sum(stacked, axis=0) if how == "sum" else jnp.max(stacked, axis=0)
 
 
-def _needs_rescale_views(total, p, views):
-    """Buckets whose plain sum lost the norm; every bucket if the global sum did. An exactly
-    zero group is trusted (a frozen layer must not send every step down the slow path); an
-    exactly zero sum of everything is not."""
-    overall = _norm_rules.needs_rescale(total[-1], p, zero_is_exact=False)
+def _needs_rescale_views(total, p, views, count: int):
+    """Buckets whose plain sum lost the norm; every bucket if the global sum did (`count`: the
+    elements of every leaf, a bound for each bucket's too). An exactly zero group is trusted (a
+    frozen layer must not send every step down the slow path); an exactly zero sum of
+    everything is not."""
+    overall = _norm_rules.needs_rescale(total[-1], p, count, zero_is_exact=False)
     if len(views) == 1:
         return overall[None] if overall.ndim == 0 else overall
-    return _norm_rules.needs_rescale(total, p, zero_is_exact=True) | overall
+    return _norm_rules.needs_rescale(total, p, count, zero_is_exact=True) | overall
 
 
 def _norms_for_order(pieces, views, p, dtype):
@@ -277,8 +280,11 @@ def _norms_for_order(pieces, views, p, dtype):
     traced in one branch of `_norms_traced_order`)."""
     arrays = [piece.array for piece in pieces]
     if _norm_rules.is_static(p) and p == math.inf:
-        magnitudes = [_norm_rules.magnitude(a) for a in arrays]
-        return _reduce_buckets(pieces, views, [magnitudes] * len(views), max_over, "max", dtype)
+        magnitudes = [[_norm_rules.magnitude(a) for a in arrays]] * len(views)
+        maxima = _reduce_buckets(pieces, views, magnitudes, max_over, "max", dtype)
+        nans = _reduce_buckets(pieces, views, magnitudes, nan_count_over, "sum", dtype)
+        return _norm_rules.max_norm(maxima, nans)
+    count = sum(a.size for a in arrays)
 
     def expand(values, i, a):
         if values is None:
@@ -295,10 +301,11 @@ def _norms_for_order(pieces, views, p, dtype):
         reduce=lambda terms: _reduce_buckets(pieces, views, terms, sum_over, "sum", dtype),
         largest=largest,
         expand=expand,
-        needs_rescale=lambda total: _needs_rescale_views(total, p, views),
+        needs_rescale=lambda total: _needs_rescale_views(total, p, views, count),
         # Inside shard_map/pmap (collectives) or for a traced order: JAX's own autodiff and
         # batching of the `cond` (correct; the fallback's scale carries no gradient).
         rules=_norm_rules.is_static(p) and not any(piece.axes for piece in pieces),
+        acc=dtype,
     )
 
 
@@ -335,7 +342,7 @@ def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets=()):
         buckets = _groups.Layout(tuple(buckets or ()), (None,) * n, ((),) * n)
     layout = buckets
     views = _views(layout.buckets, n)
-    dtype = widest_accum_dtype([x.dtype for x in leaves])
+    dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
         return jnp.zeros((), dtype), jnp.zeros((views[0].size,), dtype)
     pieces = _stack_leaves(leaves, leaf_axes, layout)

@@ -1,6 +1,6 @@
 """Per-example clipping (DP-SGD): a batch of per-example gradients clipped and summed.
 
-Computed as per-example norms, one scale per example (`_functional.clip_scale`), then one
+Computed as per-example norms, one scale per example (`_scale.clip_scale`), then one
 contraction per leaf over the batch axis with the scales. No clipped copy of the per-example
 gradients is ever made.
 
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _functional, _norm_rules
+from optclip import _checks, _norm_rules, _scale
 
 NONFINITE = ("propagate", "zero")
 
@@ -57,12 +57,12 @@ def _prepare(grads, max_norm, nonfinite, what: str):
     _checks.check_choice(nonfinite, "nonfinite", NONFINITE)
     leaves, treedef = _batched_leaves(grads, what)
     dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
-    return leaves, treedef, dtype, _functional.threshold_as(max_norm, dtype)
+    return leaves, treedef, dtype, _scale.threshold_as(max_norm, dtype)
 
 
 def _work_dtype(dtype):
     """The dtype a leaf is contracted in: its own, or float32 for float16 and bfloat16 (as in
-    `_functional.apply_scale`)."""
+    `_scale.apply_scale`)."""
     dtype = jnp.dtype(dtype)
     return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
 
@@ -91,6 +91,7 @@ def example_norms(leaves, *, per_leaf: bool):
     in per-slice norms: padding examples do not send every step down the slow path.
     """
     dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
+    count = sum(math.prod(x.shape[1:]) for x in leaves)  # the elements of one example
 
     def per_example(arrays, reducer, combine):
         parts = [reducer(a, axis=tuple(range(1, a.ndim))).astype(dtype) for a in arrays]
@@ -115,7 +116,8 @@ def example_norms(leaves, *, per_leaf: bool):
         reduce=reduce,
         largest=largest,
         expand=expand,
-        needs_rescale=lambda total: _norm_rules.needs_rescale(total, 2.0, zero_is_exact=True),
+        needs_rescale=lambda total: _norm_rules.needs_rescale(total, 2.0, count, True),
+        acc=dtype,
     )
 
 
@@ -229,7 +231,7 @@ def per_example_clip(grads, max_norm, *, nonfinite="propagate", return_norms=Fal
         out = grads, jnp.zeros((), jnp.int32), jnp.zeros((0,), dtype)
         return out if return_norms else out[:2]
     norms = example_norms(leaves, per_leaf=False)
-    scales = _functional.clip_scale(norms, threshold)
+    scales = _scale.clip_scale(norms, threshold)
     finite = jnp.isfinite(norms)
     summed = _sums(leaves, lambda i: scales, finite, nonfinite)
     num_clipped = _count(finite & (norms > threshold))
@@ -321,7 +323,7 @@ def per_example_layer_clip(
 
     norms = example_norms(leaves, per_leaf=True)  # (K, B)
     finite = _finite_examples(norms)
-    scales = _functional.clip_scale(norms, thresholds)
+    scales = _scale.clip_scale(norms, thresholds)
     # A non-finite example makes every leaf NaN, not just its own (no half-applied step).
     scales = jnp.where(finite, scales, jnp.nan)
     summed = _sums(leaves, lambda i: scales[i], finite, nonfinite)

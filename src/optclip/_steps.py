@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _norm_rules
+from optclip import _checks, _groups, _norm_rules, _norms
 
 
 def counter():
@@ -75,6 +75,17 @@ def unscale_norms(norm, bucket_norms, inverse_scale):
     """The global and bucket norms of loss-scaled gradients, divided by the loss scale."""
     inverse_scale = inverse_scale.astype(norm.dtype)
     return norm * inverse_scale, bucket_norms * inverse_scale
+
+
+def clip_norms(updates, field, spec, stacked, axis_name, what: str, inverse_scale=None, p=2.0):
+    """``(global norm, group norms)`` of the updates of a clip whose state keeps group norms in
+    `field` (`spec` and `stacked` as given to the factory): the groups checked against those the
+    state was made with, and, for loss-scaled gradients, the norms of the unscaled ones."""
+    buckets = _groups.layout(spec, stacked, updates, field, what, axis_name)
+    norm, bucket_norms = _norms.norms_of(updates, p, axis_name, what, buckets)
+    if inverse_scale is not None:
+        norm, bucket_norms = unscale_norms(norm, bucket_norms, inverse_scale)
+    return norm, bucket_norms
 
 
 def global_norm_transform(init_fn, step):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps, _warn
+from optclip import _axes, _checks, _functional, _groups, _nonfinite, _scale, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -50,8 +50,8 @@ def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
             return clip_fn(updates, threshold), new_state
         # The clip is positively homogeneous: clip(g / s, c) = clip(g, c * s) / s. So the norms
         # are taken of the gradients as they come (no unscaled copy is made first).
-        threshold = _functional.threshold_as(threshold, inverse_scale.dtype) / inverse_scale
-        return _functional.scale_tree(clip_fn(updates, threshold), inverse_scale), new_state
+        threshold = _scale.threshold_as(threshold, inverse_scale.dtype) / inverse_scale
+        return _scale.scale_tree(clip_fn(updates, threshold), inverse_scale), new_state
 
     def update_fn(updates, state, params=None):
         del params
@@ -64,6 +64,7 @@ def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
     return _steps.register_unscaling(optax.GradientTransformation(init_fn, update_fn), unscaling)
 
 
+@_checks.factory
 def value_clip(clip_value_min, clip_value_max=_checks.NOT_GIVEN) -> optax.GradientTransformation:
     r"""Clamps every update element into ``[clip_value_min, clip_value_max]``.
 
@@ -131,6 +132,7 @@ def _symmetric(v):
     return -v, v
 
 
+@_checks.factory
 def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     r"""Clips every update leaf (or each slice along `axes`) to an L2 norm of at most `max_norm`.
 
@@ -167,14 +169,13 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     """
     _checks.check_threshold(max_norm, "max_norm")
     axes = _checks.check_axes(axes)
-    _warn.warn_if_nonpositive(
-        max_norm, f"norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP_CLIPNORM
-    )
+    _warn.warn_if_nonpositive(max_norm, f"norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP_CLIPNORM)
     return _per_leaf_transform(
         lambda updates, threshold: _functional.clip_by_norm(updates, threshold, axes), max_norm
     )
 
 
+@_checks.factory
 def average_norm_clip(max_norm) -> optax.GradientTransformation:
     r"""Clips every update leaf to an average L2 norm (norm / size) of at most `max_norm`.
 
@@ -204,12 +205,11 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
       [1.2 1.6]
     """
     _checks.check_threshold(max_norm, "max_norm")
-    _warn.warn_if_nonpositive(
-        max_norm, f"average_norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP
-    )
+    _warn.warn_if_nonpositive(max_norm, f"average_norm_clip(max_norm={max_norm!r})", _warn.NO_CLIP)
     return _per_leaf_transform(_functional.clip_by_average_norm, max_norm)
 
 
+@_checks.factory
 def block_rms_clip(threshold) -> optax.GradientTransformation:
     r"""Clips every update leaf to a root mean square (RMS) of at most `threshold`.
 
@@ -243,12 +243,11 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
       [1.2 1.6 0.  0. ]
     """
     _checks.check_threshold(threshold, "threshold")
-    _warn.warn_if_nonpositive(
-        threshold, f"block_rms_clip(threshold={threshold!r})", _warn.NO_CLIP
-    )
+    _warn.warn_if_nonpositive(threshold, f"block_rms_clip(threshold={threshold!r})", _warn.NO_CLIP)
     return _per_leaf_transform(_functional.clip_by_block_rms, threshold, "threshold")
 
 
+@_checks.factory
 def global_clip(
     max_norm, *, ord=2, axis_name=None, nonfinite="propagate", group_norms=None, stacked=None
 ) -> optax.GradientTransformation:
@@ -365,24 +364,26 @@ def global_clip(
             nonfinite_count=_steps.counter(),
             step=_steps.counter(),
             scale=jnp.ones((), dtype),
-            threshold=_functional.threshold_as(
-                _steps.threshold_at(max_norm, _steps.counter()), dtype
-            ),
+            threshold=_scale.threshold_as(_steps.threshold_at(max_norm, _steps.counter()), dtype),
             group_norms=_groups.init(group_norms, params, dtype, stacked, axis_name, "global_clip"),
         )
 
     def step(updates, state, inverse_scale=None):
         threshold = _steps.threshold_at(max_norm, state.step)
-        buckets = _groups.layout(
-            group_norms, stacked, updates, state.group_norms, "global_clip", axis_name
+        norm, bucket_norms = _steps.clip_norms(
+            updates,
+            state.group_norms,
+            group_norms,
+            stacked,
+            axis_name,
+            "global_clip",
+            inverse_scale,
+            p=p,
         )
-        norm, bucket_norms = _norms.norms_of(updates, p, axis_name, "global_clip", buckets)
-        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
-            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         updates, scale = _nonfinite.clip_to_threshold(
             updates, norm, threshold, nonfinite, "global_clip", inverse_scale
         )
-        threshold = _functional.threshold_as(threshold, norm.dtype)
+        threshold = _scale.threshold_as(threshold, norm.dtype)
         finite = jnp.isfinite(norm)
         dtype = state.global_norm.dtype
         state = GlobalClipState(

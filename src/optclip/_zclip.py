@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _axes, _checks, _functional, _groups, _nonfinite, _norms, _steps, _warn
+from optclip import _axes, _checks, _groups, _nonfinite, _scale, _steps, _warn
 from optclip._groups import GroupNorms
 
 
@@ -78,6 +78,7 @@ def _statistics(state, norm, spike, clip_value, warming, rule: _Rule, dtype):
     return jnp.where(warming, warm_mean, ema_mean), jnp.where(warming, warm_var, ema_var)
 
 
+@_checks.factory
 def zclip(
     alpha=0.97,
     z_thresh=2.5,
@@ -210,7 +211,7 @@ def zclip(
     def cap_at(step, dtype):
         """The absolute cap at `step` (`max_norm`, its schedule's value, or inf)."""
         cap = jnp.inf if max_norm is None else _steps.threshold_at(max_norm, step)
-        return _functional.threshold_as(cap, dtype)
+        return _scale.threshold_as(cap, dtype)
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
@@ -228,12 +229,9 @@ def zclip(
 
     def step(updates, state, inverse_scale=None):
         dtype = state.mean.dtype
-        buckets = _groups.layout(
-            group_norms, stacked, updates, state.group_norms, "zclip", axis_name
+        norm, bucket_norms = _steps.clip_norms(
+            updates, state.group_norms, group_norms, stacked, axis_name, "zclip", inverse_scale
         )
-        norm, bucket_norms = _norms.norms_of(updates, 2.0, axis_name, "zclip", buckets)
-        if inverse_scale is not None:  # loss-scaled gradients: the norms of the unscaled ones
-            norm, bucket_norms = _steps.unscale_norms(norm, bucket_norms, inverse_scale)
         norm = norm.astype(dtype)
         finite = jnp.isfinite(norm)
         # Steps so far: every update is counted in exactly one of the two.

@@ -463,6 +463,35 @@ def overflow_checks():
     )
 
 
+def nan_and_underflow_checks():
+    """Every order's norm is NaN when one device holds a NaN, the infinity norm included (XLA's
+    CPU max-reduction of 4096 or more elements drops NaN; the NaN count is all-reduced); squares
+    that flush on every device (values ~1e-19) still give the true norm, and a tiny threshold
+    against a large norm still clips to it (the scale in two factors)."""
+    mesh = mesh_2d()
+    specs = {"big": P(("data", "model")), "rep": P()}
+    big = np.full((8 * 4096,), 1.5, np.float32)
+    big[3 * 4096 + 17] = np.nan  # on one device
+    tree = {"big": big, "rep": np.full((3,), 2.0, np.float32)}
+    for p in (math.inf, 2.0, 1.0):
+        norm = smap(
+            lambda t, p=p: optclip.global_norm(t, ord=p, axis_name=specs), mesh, (specs,), P()
+        )(put(tree, specs, mesh))
+        record(f"shard_map-nan-underflow/nan_norm/ord={p}", np.isnan(np.asarray(norm)))
+    tiny = {
+        "big": np.linspace(0.5e-19, 1.1e-19, 8 * 4, dtype=np.float32),  # squares flush
+        "rep": np.array([1e-19, 1.2e-19], np.float32),
+    }
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P())(
+        put(tiny, specs, mesh)
+    )
+    check("shard_map-nan-underflow/tiny_squares", norm, ref_norm(tiny))
+    large = {"big": np.full((8 * 4,), 1e10, np.float32), "rep": np.array([1e9, 2e9], np.float32)}
+    shard_map_clip_checks(
+        "shard_map-nan-underflow/tiny_scale", large, specs, specs, mesh, max_norm=1e-30
+    )
+
+
 def pmap_checks():
     """pmap: a name for leaves with one piece per device, a pytree with None for replicated."""
     rng = np.random.default_rng(5)
@@ -1178,6 +1207,8 @@ def main():
         low_precision_checks()
     with group("shard_map-overflow"):
         overflow_checks()
+    with group("shard_map-nan-underflow"):
+        nan_and_underflow_checks()
     with group("pmap"):
         pmap_checks()
     with group("adaptive"):
