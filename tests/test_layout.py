@@ -21,6 +21,7 @@ LAYERS = [
     ["_checks"],  # argument validation and its messages
     ["_warn"],  # the warning for a threshold <= 0
     ["_norm_rules"],  # norms from elementwise terms: fallback, batching and derivative rules
+    ["_places"],  # where concrete arrays live outside `jit`
     ["_axes"],  # which mesh axes split each leaf
     ["_layers"],  # key paths; which leaves stack layers, and how the mesh splits them
     ["_groups"],  # which group each leaf is in

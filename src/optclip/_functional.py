@@ -187,10 +187,8 @@ def clip_by_norm(tree, clip_norm, axes=None):
         _checks.check_float_leaf(path, x, "clip_by_norm")
         x = jnp.asarray(x)
         leaf_axes = None if axes is None else _checks.normalize_axes(axes, path, x.ndim)
-        # Zero rows are common (embeddings): a row whose squares sum to exactly zero is
-        # trusted; a whole leaf's norm is exact.
-        norm = _norms.leaf_norm(x, 2.0, leaf_axes, zero_is_exact=leaf_axes is not None)
-        return _scale.clip(x, norm, clip_norm)
+        count = x.size if leaf_axes is None else math.prod(x.shape[a] for a in leaf_axes)
+        return _clip_by_leaf_norm(x, leaf_axes, clip_norm, count)
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
 
@@ -272,10 +270,26 @@ def _clip_size_normalised(tree, threshold, divisor, what: str):
     def clip_leaf(path, x):
         _checks.check_float_leaf(path, x, what)
         x = jnp.asarray(x)
-        value = _norms.leaf_norm(x, 2.0) / divisor(max(x.size, 1))
-        return _scale.clip(x, value, threshold)
+        return _clip_by_leaf_norm(x, None, threshold, x.size, divisor(max(x.size, 1)))
 
     return jax.tree_util.tree_map_with_path(clip_leaf, tree)
+
+
+def _clip_by_leaf_norm(x, axes, threshold, count: int, divisor=1):
+    """`x` clipped so that its 2-norm over `axes` (or all of it), divided by `divisor`, is at
+    most `threshold`.
+
+    Zero rows are common (embedding gradients, frozen layers), and an exactly-zero sum of
+    squares would send every step down the norm's rescaled path to find out whether the row
+    is zero or made of values below ~1e-19 whose squares flushed. Such a row's norm is below
+    `_norm_rules.hidden_norm(count)`: for a threshold at least that large (any ordinary one)
+    the row is not clipped either way, and its zero is trusted; below it, it is not.
+    """
+    acc = _norm_rules.accum_dtype(x.dtype)
+    limit = _scale.threshold_as(threshold, acc)
+    trust = limit * divisor >= _norm_rules.hidden_norm(count, acc)
+    value = _norms.leaf_norm(x, 2.0, axes, zero_is_exact=trust) / divisor
+    return _scale.clip(x, value, limit)
 
 
 def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):

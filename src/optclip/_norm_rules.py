@@ -18,6 +18,7 @@ caller's: `_norms` for leaves and trees, `_per_example` for batches of examples.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -163,23 +164,30 @@ def leaf_max_norm(magnitudes, axis=None, keepdims=False):
 UNDERFLOW_MARGIN = 2.0**30
 
 
-def needs_rescale(total, p, count: int, zero_is_exact: bool):
+def needs_rescale(total, p, count: int, zero_is_exact=False):
     """Where a plain sum of `count` powers lost the norm (elementwise): it overflowed (``inf``),
     or it is small enough that powers which flushed to zero (below the smallest normal number)
     could matter in it.
 
     A sum that is exactly zero comes from an all-zero input or from values whose powers all
-    flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
-    that zero slices (embedding rows, padding examples, frozen layers) do not send every step
-    down the slow path; such a slice's norm is then 0 instead of at most ~1e-19 times the
-    square root of its size. Orders above 2 flush much sooner (``1e-5 ** 8``) and never trust it.
+    flushed to zero (below ~1e-19 for float32 squares). Where `zero_is_exact` (a bool, or a
+    boolean array broadcasting against `total`) it is trusted, so that zero slices (embedding
+    rows, padding examples, frozen layers) do not send every step down the slow path; such a
+    slice's norm is then 0 instead of at most `hidden_norm(count)`. Orders above 2 flush much
+    sooner (``1e-5 ** 8``) and never trust it.
     """
     bound = jnp.finfo(total.dtype).smallest_normal * max(count, 1) * UNDERFLOW_MARGIN
-    if zero_is_exact and is_static(p) and p <= 2.0:
-        low = (total > 0) & (total < bound)
-    else:
-        low = total < bound
+    low = total < bound
+    if zero_is_exact is not False and is_static(p) and p <= 2.0:
+        low = low & ~((total == 0) & zero_is_exact)
     return (total == jnp.inf) | low
+
+
+def hidden_norm(count: int, dtype) -> float:
+    """The largest 2-norm that `count` values can have when all their squares flushed to zero
+    in `dtype`: a clip at a threshold at least this large treats them the same whether their
+    norm is taken to be 0 or computed exactly."""
+    return math.sqrt(max(count, 1) * float(jnp.finfo(dtype).smallest_normal))
 
 
 def _rescaled_norm(largest: Callable, rescaled_total: Callable, p):

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from optclip import _axes, _checks, _groups, _layers, _norm_rules
+from optclip import _axes, _checks, _groups, _layers, _norm_rules, _places
 from optclip._norm_rules import accum_dtype, max_over, nan_count_over, sum_over
 
 # Leaves with at most this many elements are stacked with others of their shape before reducing.
@@ -36,13 +36,16 @@ STACK_MAX_SIZE = 1 << 14
 STACK_CHUNK = 128
 
 
-def leaf_norm(x, p: float = 2.0, axes=None, zero_is_exact: bool = False):
+def leaf_norm(x, p: float = 2.0, axes=None, zero_is_exact=False):
     """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
 
-    `axes` must already be normalised (a tuple of non-negative ints) or None. With
-    `zero_is_exact`, a slice whose sum of powers is exactly zero is trusted (see
-    `_norm_rules.needs_rescale`): for per-slice and per-unit norms, where zero rows are common.
+    `axes` must already be normalised (a tuple of non-negative ints) or None. Where
+    `zero_is_exact` (a bool or a traced boolean), a slice whose sum of powers is exactly zero
+    is trusted (see `_norm_rules.needs_rescale`): where zero rows are common and the caller
+    knows that 0 and the exact norm lead to the same result.
     """
+    if _places.compiled_here([x]):
+        return _leaf_norm_compiled(x, p, axes, jnp.asarray(zero_is_exact))
     keepdims = axes is not None
     if p == math.inf:
         magnitude = _norm_rules.magnitude(x)
@@ -72,31 +75,6 @@ def _sharding_key(x):
         return jax.typeof(x).sharding
     except Exception:  # noqa: BLE001 - no sharding information: group by shape alone.
         return None
-
-
-def placement(x):
-    """The devices of a concrete array committed to them (eager code), else None."""
-    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array) or not x.committed:
-        return None
-    return frozenset(x.sharding.device_set)
-
-
-def on_devices_of(value, x):
-    """The concrete `value` (a scale) placed on the devices of the concrete committed array `x`
-    (replicated there), so that eager leaves on different devices are each scaled where they
-    are."""
-    where, here = placement(x), placement(value)
-    if where is None or here is None or where == here:
-        return value
-    sharding = x.sharding
-    target: jax.sharding.Sharding
-    if len(where) == 1:
-        target = jax.sharding.SingleDeviceSharding(next(iter(where)))
-    elif isinstance(sharding, NamedSharding):
-        target = NamedSharding(sharding.mesh, PartitionSpec())
-    else:
-        return value
-    return jax.device_put(value, target)
 
 
 class _Piece(NamedTuple):
@@ -145,14 +123,14 @@ class _View(NamedTuple):
         values = values[self.offset : self.offset + self.size]
         ids = self.ids(piece)
         if isinstance(ids, np.ndarray) and np.all(ids == ids[0]):
-            return on_devices_of(values[ids[0]], a)
+            return _places.on_devices_of(values[ids[0]], a)
         shape = [1] * a.ndim
         several = len(piece.leaves) > 1
         if several:
             shape[0] = len(piece.leaves)
         if piece.layer_axis is not None:
             shape[piece.layer_axis + several] = piece.layers
-        return on_devices_of(values[ids].reshape(shape), a)
+        return _places.on_devices_of(values[ids].reshape(shape), a)
 
 
 def _views(buckets: tuple, n: int) -> list[_View]:
@@ -178,7 +156,7 @@ def _stack_leaves(leaves, leaf_axes, layout) -> list[_Piece]:
     pieces: list[_Piece] = []
     groups: dict[tuple, list[int]] = {}
     for index, (x, axes) in enumerate(zip(leaves, leaf_axes)):
-        place = placement(x)
+        place = _places.placement(x)
         layer_axis, split = layout.layer_axes[index], layout.splits[index]
         if x.size > STACK_MAX_SIZE:
             pieces.append(_Piece(x, (index,), axes, place, layer_axis, split))
@@ -341,6 +319,8 @@ def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets=()):
     if not isinstance(buckets, _groups.Layout):
         buckets = _groups.Layout(tuple(buckets or ()), (None,) * n, ((),) * n)
     layout = buckets
+    if _places.compiled_here(leaves) and _norm_rules.is_static(p):
+        return _tree_norms_compiled(list(leaves), tuple(map(tuple, leaf_axes)), p, layout)
     views = _views(layout.buckets, n)
     dtype = _norm_rules.widest_accum_dtype([x.dtype for x in leaves])
     if not leaves:
@@ -356,6 +336,10 @@ def tree_norms(leaves: Sequence, leaf_axes: Sequence[tuple], p, buckets=()):
 def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
     """The `p`-norm of all `leaves` together (see `tree_norms`)."""
     return tree_norms(leaves, leaf_axes, p)[0]
+
+
+_leaf_norm_compiled = jax.jit(leaf_norm, static_argnums=(1, 2))
+_tree_norms_compiled = jax.jit(tree_norms, static_argnums=(1, 2, 3))
 
 
 # ----------------------------------------------------------------------------------------------

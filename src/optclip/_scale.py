@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _norms
+from optclip import _checks, _places
 
 
 def threshold_as(value, dtype):
@@ -45,7 +45,9 @@ def clip_scale_parts(norm, threshold):
     it every leaf. Guarded as `clip_scale`."""
     over = norm > threshold
     denominator = jnp.where(over, norm, 1)
-    tiny = jnp.finfo(denominator.dtype).smallest_normal
+    # (float32's even for a float64 norm: the scale may be applied to float32 leaves of a
+    # tree that also has float64 ones)
+    tiny = jnp.finfo(jnp.float32).smallest_normal
     small = over & (lax.stop_gradient(threshold / denominator) < tiny)
     numerator = jnp.where(small, threshold * (1 / _SMALL_SCALE), threshold)
     numerator = jnp.where(over, numerator, 1)  # 1 / 1: exactly 1 at or under the threshold
@@ -73,9 +75,9 @@ def apply_scale(x, scale, small=None):
     part, so a signed zero keeps its sign); `x` itself, bit for bit, where the scale is 1 (XLA
     on CPU flushes subnormal numbers to zero in any arithmetic, ``x * 1`` included)."""
     x = jnp.asarray(x)
-    scale = _norms.on_devices_of(scale, x)  # eager leaves on several devices: scale each there
+    scale = _places.on_devices_of(scale, x)  # eager leaves on several devices: scale each there
     if small is not None:  # (never != 1 where the scale is 1: it is then below ~1e-8)
-        small = _norms.on_devices_of(small, x)
+        small = _places.on_devices_of(small, x)
     # Not `jnp.promote_types`: under jax_numpy_dtype_promotion='strict' it refuses bfloat16.
     work = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
     real = jnp.finfo(work).dtype  # the real dtype of the work (float32 for complex64)
