@@ -92,15 +92,17 @@ def power_of_two_scale(m):
 
 def magnitude_power(x, p, inverse_scale=None, acc=None):
     """``|x * inverse_scale| ** p`` elementwise, in the accumulation dtype (or `acc`; see
-    `real_parts`) (``|z|**2`` for complex)."""
+    `real_parts`); for complex `x`, ``re**2 + im**2`` when ``p == 2``, else ``|z| ** p``."""
     parts = real_parts(x, acc)
     if inverse_scale is not None:
         parts = tuple(c * inverse_scale.astype(c.dtype) for c in parts)
     if len(parts) == 2:
-        square = parts[0] * parts[0] + parts[1] * parts[1]
+        re, im = parts
         if is_static(p) and p == 2.0:
-            return square
-        return pow0(square, p / 2)
+            return re * re + im * im
+        # |z| itself, not the square's root: the square of |z| < ~1e-19 flushes to zero.
+        zero = (re == 0) & (im == 0)
+        return pow0(jnp.where(zero, 0, jnp.hypot(jnp.where(zero, 1, re), im)), p)
     (a,) = parts
     if is_static(p) and p == 2.0:
         return a * a

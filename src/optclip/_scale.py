@@ -19,11 +19,6 @@ def threshold_as(value, dtype):
     return jnp.maximum(_checks.as_array(value, dtype), 0)
 
 
-# A scale below the smallest normal number is applied in two factors: this one, and the scale
-# times its inverse (a normal number for every scale down to ~1e-68 in float32).
-_SMALL_SCALE = 2.0**-100
-
-
 @jax.custom_jvp
 def _divide(a, b):
     """``a / b``, whose derivative never forms ``b ** 2`` (JAX's rule ``-a / b**2`` overflows
@@ -40,23 +35,31 @@ def _divide_jvp(primals, tangents):
 
 def clip_scale_parts(norm, threshold):
     """``threshold / max(norm, threshold)`` as two factors ``(scale, small)`` whose product it
-    is: `small` is 1 unless the scale is below the smallest normal number (a tiny threshold
+    is: `small` is 1 unless the scale is below float32's smallest normal number (a tiny threshold
     against a large norm: ``1e-30 / 1e10``), where the scale alone would flush to zero and with
-    it every leaf. Guarded as `clip_scale`."""
+    it every leaf. Then both factors are powers of two apart from its square root, normal for
+    every scale down to the square of the smallest normal number (~1e-76 in float32). Guarded as
+    `clip_scale`."""
     over = norm > threshold
     denominator = jnp.where(over, norm, 1)
     # (float32's even for a float64 norm: the scale may be applied to float32 leaves of a
     # tree that also has float64 ones)
     tiny = jnp.finfo(jnp.float32).smallest_normal
     small = over & (lax.stop_gradient(threshold / denominator) < tiny)
-    numerator = jnp.where(small, threshold * (1 / _SMALL_SCALE), threshold)
-    numerator = jnp.where(over, numerator, 1)  # 1 / 1: exactly 1 at or under the threshold
+    # The scale's exponent is about that of the threshold less the norm's; `small` takes half.
+    _, threshold_exponent = jnp.frexp(lax.stop_gradient(threshold))
+    _, norm_exponent = jnp.frexp(lax.stop_gradient(denominator))
+    half = jnp.minimum(
+        (norm_exponent - threshold_exponent + 1) // 2, jnp.finfo(norm.dtype).maxexp - 1
+    )
+    half = jnp.where(small, half, 0)
+    numerator = jnp.where(over, threshold * jnp.ldexp(jnp.ones_like(denominator), half), 1)
     numerator = jnp.where(jnp.isfinite(norm) & ~jnp.isnan(threshold), numerator, jnp.nan)
     # Each factor ends with a division. XLA on CPU copies cheap scalar work (selects) into
     # every kernel that uses its result and evaluates it again for every element (measured
     # 1.3x the clip+adam step); it keeps a division apart and passes the kernels its value.
     scale = _divide(numerator, denominator)
-    return scale, 1 / jnp.where(small, 1 / _SMALL_SCALE, 1).astype(scale.dtype)
+    return scale, 1 / jnp.ldexp(jnp.ones_like(scale), half)
 
 
 def clip_scale(norm, threshold):
