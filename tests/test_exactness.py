@@ -129,6 +129,11 @@ def _clip_global_only(x, c):
     return optclip.clip_by_global_norm(x, c)[0]
 
 
+def _global_clip_update(x, c):
+    tx = optclip.global_clip(c)  # (the transformation, differentiated through its update)
+    return tx.update(x, tx.init(x))[0]
+
+
 def _clip_vjp(clip):
     def vjp(x, c, g):
         _, pullback = jax.vjp(clip, x, c)
@@ -156,6 +161,7 @@ ROW_CLIP_JIT = jax.jit(_clip_rows)
 CLIP_VJP = {
     "clip_by_global_norm": _clip_vjp(_clip_global_only),
     "clip_by_norm": _clip_vjp(optclip.clip_by_norm),
+    "global_clip": _clip_vjp(_global_clip_update),
 }
 CLIP_VJP_JIT = {name: jax.jit(fn) for name, fn in CLIP_VJP.items()}
 NORM_VJP = {p: _norm_vjp(p) for p in ORDS}
@@ -894,7 +900,8 @@ def test_clip_vjp_of_small_values(clip):
             else:
                 _assert_vjp(dc, dc_expected, 1.0, f"{what}, with respect to the threshold")
         if c == 0:
-            primal = CLIPS_JIT[clip](x, 0.0)
+            primal = jax.jit(_global_clip_update)(x, 0.0) if clip == "global_clip" else None
+            primal = CLIPS_JIT[clip](x, 0.0) if primal is None else primal
             primal = primal[0] if clip == "clip_by_global_norm" else primal
             assert np.all(np.asarray(primal) == 0), f"{clip} at threshold 0: {primal}"
 

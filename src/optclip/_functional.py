@@ -282,14 +282,18 @@ def _clip_by_leaf_norm(x, axes, threshold, count: int, divisor=1):
     Zero rows are common (embedding gradients, frozen layers), and an exactly-zero sum of
     squares would send every step down the norm's rescaled path to find out whether the row
     is zero or made of values below ~1e-19 whose squares flushed. Such a row's norm is below
-    `_norm_rules.hidden_norm(count)`: for a threshold at least that large (any ordinary one)
-    the row is not clipped either way, and its zero is trusted; below it, it is not.
+    `_norm_rules.hidden_norm(count)`: for a threshold known to be at least that large (any
+    ordinary one) the row is not clipped either way, and its zero is trusted. For a smaller
+    threshold, or one known only at run time (a schedule, `inject_hyperparams`, a threshold
+    passed into `jit`), it is not, and the norm is exact.
     """
     acc = _norm_rules.accum_dtype(x.dtype)
-    limit = _scale.threshold_as(threshold, acc)
-    trust = limit * divisor >= _norm_rules.hidden_norm(count, acc)
+    known = _checks.concrete(threshold)
+    trust = known is not None and bool(
+        max(float(known), 0.0) * divisor >= _norm_rules.hidden_norm(count, acc)
+    )
     value = _norms.leaf_norm(x, 2.0, axes, zero_is_exact=trust) / divisor
-    return _scale.clip(x, value, limit)
+    return _scale.clip(x, value, threshold)
 
 
 def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):

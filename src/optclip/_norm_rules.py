@@ -166,22 +166,22 @@ def leaf_max_norm(magnitudes, axis=None, keepdims=False):
 UNDERFLOW_MARGIN = 2.0**30
 
 
-def needs_rescale(total, p, count: int, zero_is_exact=False):
+def needs_rescale(total, p, count: int, zero_is_exact: bool = False):
     """Where a plain sum of `count` powers lost the norm (elementwise): it overflowed (``inf``),
     or it is small enough that powers which flushed to zero (below the smallest normal number)
     could matter in it.
 
     A sum that is exactly zero comes from an all-zero input or from values whose powers all
-    flushed to zero (below ~1e-19 for float32 squares). Where `zero_is_exact` (a bool, or a
-    boolean array broadcasting against `total`) it is trusted, so that zero slices (embedding
-    rows, padding examples, frozen layers) do not send every step down the slow path; such a
-    slice's norm is then 0 instead of at most `hidden_norm(count)`. Orders above 2 flush much
-    sooner (``1e-5 ** 8``) and never trust it.
+    flushed to zero (below ~1e-19 for float32 squares). With `zero_is_exact` it is trusted, so
+    that zero slices (embedding rows, padding examples, frozen layers) do not send every step
+    down the slow path; such a slice's norm is then 0 instead of at most `hidden_norm(count)`.
+    Orders above 2 flush much sooner (``1e-5 ** 8``) and never trust it.
     """
     bound = jnp.finfo(total.dtype).smallest_normal * max(count, 1) * UNDERFLOW_MARGIN
-    low = total < bound
-    if zero_is_exact is not False and is_static(p) and p <= 2.0:
-        low = low & ~((total == 0) & zero_is_exact)
+    if zero_is_exact and is_static(p) and p <= 2.0:
+        low = (total > 0) & (total < bound)
+    else:
+        low = total < bound
     return (total == jnp.inf) | low
 
 
@@ -250,8 +250,8 @@ def norm_with_rules(
     * `vmap` (per-example clipping): a `lax.cond` with a batched predicate would become a
       `select` running both branches for every example; the rule keeps one `cond`, on whether
       any example needs the fallback.
-    * differentiation: `d||x||_p = sum((|x|/n)**(p-2) * (x/n) * dx)`, with `x/n` computed with a
-      power-of-two scale (no overflow, no flush to zero); zero at `n == 0`. This is the exact
+    * differentiation: `d||x||_p = sum((|x|/n)**(p-1) * Re(conj(x/|x|) dx))`, formed so that
+      nothing overflows or flushes to zero at any magnitude; zero at `n == 0`. This is the exact
       derivative of the norm, whichever branch computed it (`_norm_tangent`).
     """
 

@@ -36,16 +36,16 @@ STACK_MAX_SIZE = 1 << 14
 STACK_CHUNK = 128
 
 
-def leaf_norm(x, p: float = 2.0, axes=None, zero_is_exact=False):
+def leaf_norm(x, p: float = 2.0, axes=None, zero_is_exact: bool = False):
     """The `p`-norm of one array, over `axes` (kept as size-1 dimensions) or over all of it.
 
-    `axes` must already be normalised (a tuple of non-negative ints) or None. Where
-    `zero_is_exact` (a bool or a traced boolean), a slice whose sum of powers is exactly zero
-    is trusted (see `_norm_rules.needs_rescale`): where zero rows are common and the caller
-    knows that 0 and the exact norm lead to the same result.
+    `axes` must already be normalised (a tuple of non-negative ints) or None. With
+    `zero_is_exact`, a slice whose sum of powers is exactly zero is trusted (see
+    `_norm_rules.needs_rescale`): where zero rows are common and the caller knows that 0 and
+    the exact norm lead to the same result.
     """
     if _places.compiled_here([x]):
-        return _leaf_norm_compiled(x, p, axes, jnp.asarray(zero_is_exact))
+        return _leaf_norm_compiled(x, p, axes, zero_is_exact)
     keepdims = axes is not None
     if p == math.inf:
         magnitude = _norm_rules.magnitude(x)
@@ -338,7 +338,7 @@ def tree_norm(leaves: Sequence, leaf_axes: Sequence[tuple], p):
     return tree_norms(leaves, leaf_axes, p)[0]
 
 
-_leaf_norm_compiled = jax.jit(leaf_norm, static_argnums=(1, 2))
+_leaf_norm_compiled = jax.jit(leaf_norm, static_argnums=(1, 2, 3))
 _tree_norms_compiled = jax.jit(tree_norms, static_argnums=(1, 2, 3))
 
 
