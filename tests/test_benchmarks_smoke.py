@@ -58,3 +58,29 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
     assert len(accuracy) == 6  # {bfloat16, float16} x {10, 100, 1000} leaves
     for row in accuracy:
         assert row["ours"] <= 1e-6, row
+
+
+@pytest.mark.slow
+def test_versions_comparison_runs_against_an_earlier_commit():
+    """`benchmarks/versions.py` imports the package at a git commit beside the working tree's
+    and prints one ratio per row (needs the repository's history: skipped in a copy without
+    it, as the wheel's test run is)."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("no git history here")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "versions.py"), "HEAD", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "optclip at HEAD" in lines[0] and "x " in lines[0], lines[0]  # the machine named
+    rows = [line for line in lines[2:] if line.strip()]
+    names = [row.split(",")[0] for row in rows]
+    assert names == ["global_norm"] * 2 + ["global_clip+adam step"] * 2, rows
+    for row in rows:  # ratio, its IQR, and both medians (no bound on them: they are timings)
+        ratio, spread, new, base = row.split()[-4:]
+        assert float(ratio) > 0 and "-" in spread, row
+        assert new.endswith("ms") and base.endswith("ms"), row
