@@ -166,8 +166,9 @@ def leaf_max_norm(magnitudes, axis=None, keepdims=False):
 UNDERFLOW_MARGIN = 2.0**30
 
 
-def needs_rescale(total, p, count: int, zero_is_exact: bool = False):
-    """Where a plain sum of `count` powers lost the norm (elementwise): it overflowed (``inf``),
+def needs_rescale(total, p, count, zero_is_exact: bool = False):
+    """Where a plain sum of `count` powers (an int, or a NumPy array of one per sum) lost the
+    norm (elementwise): it overflowed (``inf``),
     or it is small enough that powers which flushed to zero (below the smallest normal number)
     could matter in it.
 
@@ -177,7 +178,8 @@ def needs_rescale(total, p, count: int, zero_is_exact: bool = False):
     down the slow path; such a slice's norm is then 0 instead of at most `hidden_norm(count)`.
     Orders above 2 flush much sooner (``1e-5 ** 8``) and never trust it.
     """
-    bound = jnp.finfo(total.dtype).smallest_normal * max(count, 1) * UNDERFLOW_MARGIN
+    tiny = float(jnp.finfo(total.dtype).smallest_normal)
+    bound = np.asarray(np.maximum(count, 1) * tiny * UNDERFLOW_MARGIN, total.dtype)
     if zero_is_exact and is_static(p) and p <= 2.0:
         low = (total > 0) & (total < bound)
     else:

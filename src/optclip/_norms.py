@@ -242,15 +242,33 @@ def _reduce_buckets(pieces, views, terms, reducer, how: str, dtype):
     return jnp.sum(stacked, axis=0) if how == "sum" else jnp.max(stacked, axis=0)
 
 
-def _needs_rescale_views(total, p, views, count: int):
-    """Buckets whose plain sum lost the norm; every bucket if the global sum did (`count`: the
-    elements of every leaf, a bound for each bucket's too). An exactly zero group is trusted (a
-    frozen layer must not send every step down the slow path); an exactly zero sum of
-    everything is not."""
-    overall = _norm_rules.needs_rescale(total[-1], p, count, zero_is_exact=False)
+def _counts(pieces, views):
+    """How many elements each of every view's sums adds up (the vector's layout, the global
+    norm last): what bounds the powers it may have lost to underflow. Where a device's buckets
+    are known only at run time (a layer axis split inside `shard_map`), every bucket is
+    bounded by the whole count, which is larger."""
+    whole = sum(piece.array.size for piece in pieces)
+    counts = []
+    for view in views:
+        count = np.zeros(view.size, np.int64)
+        for piece in pieces:
+            ids = view.ids(piece)
+            if not isinstance(ids, np.ndarray):
+                count[:] = whole
+                break
+            np.add.at(count, ids, piece.array.size // max(len(ids), 1))
+        counts.append(count)
+    return np.concatenate(counts)
+
+
+def _needs_rescale_views(total, p, views, counts):
+    """Buckets whose plain sum lost the norm; every bucket if the global sum did (`counts`
+    from `_counts`). An exactly zero group is trusted (a frozen layer must not send every step
+    down the slow path); an exactly zero sum of everything is not."""
+    overall = _norm_rules.needs_rescale(total[-1], p, counts[-1], zero_is_exact=False)
     if len(views) == 1:
         return overall[None] if overall.ndim == 0 else overall
-    return _norm_rules.needs_rescale(total, p, count, zero_is_exact=True) | overall
+    return _norm_rules.needs_rescale(total, p, counts, zero_is_exact=True) | overall
 
 
 def _norms_for_order(pieces, views, p, dtype):
@@ -262,7 +280,7 @@ def _norms_for_order(pieces, views, p, dtype):
         maxima = _reduce_buckets(pieces, views, magnitudes, max_over, "max", dtype)
         nans = _reduce_buckets(pieces, views, magnitudes, nan_count_over, "sum", dtype)
         return _norm_rules.max_norm(maxima, nans)
-    count = sum(a.size for a in arrays)
+    counts = _counts(pieces, views)
 
     def expand(values, i, a):
         if values is None:
@@ -279,7 +297,7 @@ def _norms_for_order(pieces, views, p, dtype):
         reduce=lambda terms: _reduce_buckets(pieces, views, terms, sum_over, "sum", dtype),
         largest=largest,
         expand=expand,
-        needs_rescale=lambda total: _needs_rescale_views(total, p, views, count),
+        needs_rescale=lambda total: _needs_rescale_views(total, p, views, counts),
         # Inside shard_map/pmap (collectives) or for a traced order: JAX's own autodiff and
         # batching of the `cond` (correct; the fallback's scale carries no gradient).
         rules=_norm_rules.is_static(p) and not any(piece.axes for piece in pieces),
