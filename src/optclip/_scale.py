@@ -1,5 +1,6 @@
 """The scale every clip shares: ``threshold / max(norm, threshold)``, guarded, and applied to
-each leaf with one multiply (two for a scale below the smallest normal number).
+each leaf by two multiplies fused into its consumer (the second factor is 1 unless the scale
+is below float32's smallest normal number).
 
 Its derivative is its own rule: JAX's rule for ``c / n`` forms ``n ** -2``, which leaves float32
 for norms beyond ~9e18 or below ~5e-20 (a lost projection term, or inf and NaN).
@@ -79,7 +80,7 @@ def apply_scale(x, scale, small=None):
     on CPU flushes subnormal numbers to zero in any arithmetic, ``x * 1`` included)."""
     x = jnp.asarray(x)
     scale = _places.on_devices_of(scale, x)  # eager leaves on several devices: scale each there
-    if small is not None:  # (never != 1 where the scale is 1: it is then below ~1e-8)
+    if small is not None:  # (never != 1 where the scale is 1: it is then ~1e-19 or less)
         small = _places.on_devices_of(small, x)
     # Not `jnp.promote_types`: under jax_numpy_dtype_promotion='strict' it refuses bfloat16.
     work = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.dtype(jnp.float32)
