@@ -399,7 +399,7 @@ def _assert_clipped_slices(outs, xs, c, axes, what):
 def _assert_vjp(got, expected, scale, what):
     """A VJP within `VJP_RTOL` of its float64 value, relative to the larger of its largest
     magnitude and `scale` (the size of the terms it is the sum of: float32 cancels there), plus
-    float32's smallest normal (smaller values flush to zero); and finite everywhere."""
+    a few times float32's smallest normal (smaller values flush to zero); and finite everywhere."""
     got = as_f64(got)
     expected = np.asarray(expected, np.float64)
     assert np.all(np.isfinite(got)), f"{what}: not finite: {got!r} (expected {expected!r})"
