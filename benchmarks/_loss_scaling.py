@@ -35,6 +35,26 @@ def _jmp_step(jmp, tx):
     return step
 
 
+def _jmp_multisteps_step(jmp, tx):
+    """jmp + ``optax.MultiSteps``: each micro-batch unscaled and checked by jmp, and dropped (its
+    accumulator update undone) where it overflowed, as jmp's README selects the state."""
+    return _jmp_step(jmp, optax.MultiSteps(tx, every_k_schedule=WINDOW).gradient_transformation())
+
+
+WINDOW = 4  # micro-batches in the accumulation contenders' window: each call runs a window
+
+
+def windowed(step):
+    """A step over a whole window: `WINDOW` micro-batches (the same gradients) in one call."""
+
+    def window(grads, state):
+        for _ in range(WINDOW):
+            updates, state = step(grads, state)
+        return updates, state
+
+    return window
+
+
 def contenders(grads) -> dict[str, tuple[Any, Any]]:
     """``name -> (jitted step(grads, state) -> (updates, state), initial state)``."""
     import jmp
@@ -58,6 +78,16 @@ def contenders(grads) -> dict[str, tuple[Any, Any]]:
     tx = optax.chain(optax.clip_by_global_norm(1.0), adam)
     state = (tx.init(grads), jnp.float32(2.0**16), jnp.int32(0))
     out["jmp + optax"] = (_jmp_step(jmp, tx), state)
+    accumulating = optclip.guarded(
+        adam, clip=optclip.global_clip(1.0), loss_scale=True, accumulation_steps=WINDOW
+    )
+    out["optclip, accumulation window"] = (
+        windowed(lambda g, s: accumulating.update(g, s)),
+        accumulating.init(grads),
+    )
+    multi = optax.MultiSteps(tx, every_k_schedule=WINDOW)
+    state = (multi.init(grads), jnp.float32(2.0**16), jnp.int32(0))
+    out["jmp + optax.MultiSteps window"] = (windowed(_jmp_multisteps_step(jmp, tx)), state)
     return out
 
 

@@ -600,6 +600,20 @@ class Suite:
             )
             self.rows.append(row)
         self.rows[-2].note = f"the guard's skip alone: {p.ratio(skip_only, alone):.2f}x"
+        window, multi = k["optclip, accumulation window"], k["jmp + optax.MultiSteps window"]
+        label = f"a window of {_loss_scaling.WINDOW} micro-batches with loss scaling"
+        self.rows.append(
+            _ratio_row(
+                "loss_scaling",
+                f"{label}: guarded(accumulation_steps=...), vs jmp + optax.MultiSteps",
+                p,
+                window,
+                multi,
+                1.00,
+                ref_name="jmp + MultiSteps",
+            )
+        )
+        self.rows[-1].note = f"vs one loss-scaled step: {p.ratio(window, scaled):.2f}x"
         self.rows.append(
             Row(
                 section="loss_scaling",

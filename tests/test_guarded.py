@@ -313,15 +313,18 @@ def test_a_lasting_change_of_level_is_caught_up_with():
 # Composition: optax wrappers, inject_hyperparams, lax.scan, Flax NNX, checkpoints.
 
 
-def test_inside_multisteps_chain_and_inject_hyperparams():
+def test_accumulating_inside_chain_with_inject_hyperparams():
+    """Gradient accumulation inside the guard (`MultiSteps` around a loss-scaled guard cannot
+    recover from an overflow: tests/test_accumulation.py)."""
     inner = optax.inject_hyperparams(optax.adam)(learning_rate=1e-2)
     guarded = optclip.guarded(
         inner,
         clip=optclip.global_clip(1.0),
         loss_scale=optclip.DynamicLossScale(2.0**8, growth_interval=2),
         skip_spikes=optclip.SpikeSkip(window=4, min_history=2),
+        accumulation_steps=2,
     )
-    opt = optax.MultiSteps(optax.chain(optax.identity(), guarded), every_k_schedule=2)
+    opt = optax.chain(optax.identity(), guarded)
     state = opt.init(PARAMS)
     step = jax.jit(opt.update)
     for grads in gradient_steps(8):
@@ -345,7 +348,7 @@ def test_inside_multisteps_chain_and_inject_hyperparams():
     }
     # The inner optimizer's hyperparameters are traced: a new value needs no new trace.
     compiled = step._cache_size()
-    state.inner_opt_state[1].inner_state.hyperparams["learning_rate"] = jnp.float32(0.5)
+    state[1].inner_state.hyperparams["learning_rate"] = jnp.float32(0.5)
     step(grads, state, PARAMS, value=jnp.float32(1.0))
     assert step._cache_size() == compiled
 

@@ -63,6 +63,7 @@ CASES: dict[str, object] = {
     "AxisNameError": "an exception class",
     "GuardedState": "the state of `guarded`",
     "LossScaleState": "a field of `guarded`'s state",
+    "AccumulationState": "a field of `guarded`'s state (`accumulation_steps=`)",
     "SpikeState": "a field of `guarded`'s state",
     "DynamicLossScale": "the settings of `guarded`'s loss scale (run with `guarded`)",
     "SpikeSkip": "the settings of `guarded`'s spike test (run with `guarded`)",
@@ -77,6 +78,14 @@ CASES: dict[str, object] = {
             )
         ),
         Transform(lambda: optclip.guarded(optax.sgd(0.1), clip=optclip.norm_clip(0.5))),
+        Transform(
+            lambda: optclip.guarded(
+                optax.adam(1e-3),
+                clip=optclip.global_clip(1.0),
+                loss_scale=True,
+                accumulation_steps=2,
+            )
+        ),
         Transform(
             lambda: optclip.guarded(
                 optax.sgd(0.1), clip=optclip.adagc(warmup_steps=2), loss_scale=True

@@ -30,7 +30,7 @@ LAYERS = [
     ["_functional"],  # TensorFlow's clipping functions
     ["_per_example"],  # per-example (DP-SGD) clipping
     ["_steps", "_nonfinite"],  # state helpers; the non-finite policies
-    ["_loss_scale", "_spikes"],  # the guards' rules: dynamic loss scale, rolling spike test
+    ["_accumulate", "_loss_scale", "_spikes"],  # the guards' rules: accumulation, scale, spikes
     ["_transforms"],  # the functions as Optax transformations
     ["_clipped"],  # Keras' optimizer arguments
     ["_guarded"],  # the guards of a large run around any optimizer

@@ -5,6 +5,7 @@ with exact float32 accumulation, the norm kept in the optimizer state, and multi
 reductions.
 """
 
+from optclip._accumulate import AccumulationState as AccumulationState
 from optclip._adagc import AdaGCState as AdaGCState
 from optclip._adagc import adagc as adagc
 from optclip._agc import AGCState as AGCState
@@ -48,6 +49,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AGCState",
+    "AccumulationState",
     "AdaGCState",
     "AutoClipState",
     "AxisNameError",

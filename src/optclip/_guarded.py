@@ -9,7 +9,18 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optclip import _checks, _groups, _loss_scale, _nonfinite, _norms, _scale, _spikes, _steps
+from optclip import (
+    _accumulate,
+    _checks,
+    _groups,
+    _loss_scale,
+    _nonfinite,
+    _norms,
+    _scale,
+    _spikes,
+    _steps,
+)
+from optclip._accumulate import AccumulationState
 from optclip._clipped import _check_optimizer
 from optclip._loss_scale import LossScaleState
 from optclip._spikes import SpikeState
@@ -27,6 +38,8 @@ class GuardedState(NamedTuple):
     step: jax.Array  # steps so far, skipped ones included
     scaler: LossScaleState | None  # the dynamic loss scale's state (`loss_scale=`), else None
     spikes: SpikeState | None  # the spike test's window and counts (`skip_spikes=`), else None
+    nonfinite_streak: jax.Array  # non-finite steps in a row, up to the last (0 after a finite one)
+    accumulation: AccumulationState | None  # the window's sums (`accumulation_steps=`), else None
 
 
 def _clip(clip, updates, clip_state, params, inverse, axis_name):
@@ -67,7 +80,13 @@ def _check_loss(value):
 
 @_checks.factory
 def guarded(
-    optimizer, *, clip=None, loss_scale=None, skip_spikes=None, axis_name=None
+    optimizer,
+    *,
+    clip=None,
+    loss_scale=None,
+    skip_spikes=None,
+    axis_name=None,
+    accumulation_steps=None,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Wraps `optimizer` with the guards of a large run: a clip, dynamic loss scaling, and
     skipped steps on overflow and on spikes, all from one read of the gradients.
@@ -117,17 +136,30 @@ def guarded(
         :class:`SpikeSkip`.
       axis_name: inside ``shard_map``/``pmap``, the mesh axes the gradients are split over, for
         the global norm taken here (when the clip does not take it); see :func:`global_norm`.
+      accumulation_steps: None (default) or 1 for a step per call, or ``k > 1`` to accumulate
+        gradients over ``k`` micro-batches (PyTorch's ``GradScaler`` rule): each call adds its
+        micro-batch (and its ``value=``) to sums kept in the state and returns zero updates;
+        the ``k``-th takes the step on their mean, with the clip acting on the mean gradient.
+        The loss scale stays fixed within a window; a window holding an overflow is skipped as
+        a whole, the scale backs off once, and the next window starts from zero sums. Growth
+        counts windows. ``step``, ``skip_count`` and the other counters count windows too.
+        Use this, not ``optax.MultiSteps`` around a loss-scaled ``guarded``: MultiSteps
+        restarts its sum as ``0 * sum``, which stays NaN after an overflow
+        (:func:`loss_scale` raises for that nesting).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a :class:`GuardedState`:
       ``clip_state``, ``inner_state``, ``global_norm`` (unscaled, before clipping), ``skipped``,
       ``skip_count``, ``nonfinite_count``, ``step``, ``scaler`` (a :class:`LossScaleState`:
-      ``loss_scale``, ``growth_tracker``, ``overflow_count``) and ``spikes`` (a
-      :class:`SpikeState`). :func:`optclip.metrics` shows them all.
+      ``loss_scale``, ``growth_tracker``, ``overflow_count``), ``spikes`` (a
+      :class:`SpikeState`), ``nonfinite_streak`` (non-finite steps in a row: a scale stuck at
+      its floor shows here) and ``accumulation`` (an :class:`AccumulationState`: the window's
+      sums and ``micro_step``). :func:`optclip.metrics` shows them all.
 
     Raises:
       TypeError: `optimizer` or `clip` is not a transformation; `loss_scale` or `skip_spikes`
-        is not one of the accepted values.
+        is not one of the accepted values; `accumulation_steps` is a JAX array.
+      ValueError: `accumulation_steps` is not an int >= 1.
       ValueError: at update, a ``value=`` that is not a 0-d float.
 
     Examples:
@@ -152,53 +184,114 @@ def guarded(
     _check_optimizer(optimizer)
     if clip is not None:
         _check_optimizer(clip, "clip", "optclip.global_clip(1.0)")
-    scaling = _loss_scale.check(loss_scale)
-    spiking = _spikes.check(skip_spikes)
-    inner = optax.with_extra_args_support(optimizer)
+    guards = _Guards(
+        clip=clip,
+        inner=optax.with_extra_args_support(optimizer),
+        scaling=_loss_scale.check(loss_scale),
+        spiking=_spikes.check(skip_spikes),
+        axis_name=axis_name,
+        window=_accumulate.check(accumulation_steps),
+    )
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
         return GuardedState(
             clip_state=optax.EmptyState() if clip is None else clip.init(params),
-            inner_state=inner.init(params),
+            inner_state=guards.inner.init(params),
             global_norm=jnp.zeros((), dtype),
             skipped=jnp.zeros((), jnp.bool_),
             skip_count=_steps.counter(),
             nonfinite_count=_steps.counter(),
             step=_steps.counter(),
-            scaler=None if scaling is None else _loss_scale.init(scaling),
-            spikes=None if spiking is None else _spikes.init(spiking, dtype),
+            scaler=None if guards.scaling is None else _loss_scale.init(guards.scaling),
+            spikes=None if guards.spiking is None else _spikes.init(guards.spiking, dtype),
+            nonfinite_streak=_steps.counter(),
+            accumulation=None if guards.window is None else _accumulate.init(params),
         )
 
     def update_fn(updates, state, params=None, **extra_args):
         loss = _check_loss(extra_args.get("value"))
-        inverse = None if scaling is None else 1 / state.scaler.loss_scale
-        out, clip_state, norm = _clip(clip, updates, state.clip_state, params, inverse, axis_name)
-        finite = jnp.isfinite(norm)
-        ok = finite if loss is None else finite & jnp.all(jnp.isfinite(loss))
-        spike, spikes = jnp.zeros((), jnp.bool_), state.spikes
-        if spiking is not None:
-            spike, norm_limit, loss_limit = _spikes.judge(spiking, state.spikes, norm, loss)
-            spike = spike & ok
-            spikes = _spikes.record(state.spikes, norm, loss, ok, spike, norm_limit, loss_limit)
-        skip = ~ok | spike
-        new_updates, inner_state = inner.update(out, state.inner_state, params, **extra_args)
-        new_updates, inner_state = _nonfinite.skip_unless(
-            ~skip, new_updates, inner_state, state.inner_state
-        )
-        return new_updates, GuardedState(
-            clip_state=clip_state,
-            inner_state=inner_state,
-            global_norm=norm.astype(state.global_norm.dtype),
-            skipped=skip,
-            skip_count=state.skip_count + skip.astype(jnp.int32),
-            nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
-            step=optax.safe_increment(state.step),
-            scaler=None if scaling is None else _loss_scale.adjust(scaling, state.scaler, finite),
-            spikes=spikes,
-        )
+        if guards.window is None:
+            return _step(guards, updates, updates, loss, state, params, extra_args)
+        return _accumulated_step(guards, updates, loss, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class _Guards(NamedTuple):
+    """What :func:`guarded` was built with, checked."""
+
+    clip: optax.GradientTransformation | None
+    inner: optax.GradientTransformationExtraArgs
+    scaling: _loss_scale.DynamicLossScale | None
+    spiking: _spikes.SpikeSkip | None
+    axis_name: object
+    window: int | None  # micro-batches a step (`accumulation_steps`), None for one
+
+
+def _step(guards: _Guards, grads, like, loss, state, params, extra_args):
+    """One guarded step on `grads` (the loss-scaled gradients, or with accumulation their sum
+    over the window; `loss` likewise), its updates in the dtypes of `like`."""
+    inverse = None
+    if guards.scaling is not None:
+        inverse = 1 / state.scaler.loss_scale
+    if guards.window is not None:  # the window's mean: one more factor folded into the clip's
+        mean = jnp.asarray(1 / guards.window, jnp.float32)
+        inverse = mean if inverse is None else inverse * mean
+    out, clip_state, norm = _clip(
+        guards.clip, grads, state.clip_state, params, inverse, guards.axis_name
+    )
+    out = jax.tree.map(lambda o, g: o.astype(jnp.result_type(g)), out, like)
+    finite = jnp.isfinite(norm)
+    ok = finite if loss is None else finite & jnp.all(jnp.isfinite(loss))
+    spike, spikes = jnp.zeros((), jnp.bool_), state.spikes
+    if guards.spiking is not None:
+        spike, norm_limit, loss_limit = _spikes.judge(guards.spiking, state.spikes, norm, loss)
+        spike = spike & ok
+        spikes = _spikes.record(state.spikes, norm, loss, ok, spike, norm_limit, loss_limit)
+    skip = ~ok | spike
+    new_updates, inner_state = guards.inner.update(out, state.inner_state, params, **extra_args)
+    new_updates, inner_state = _nonfinite.skip_unless(
+        ~skip, new_updates, inner_state, state.inner_state
+    )
+    scaler = state.scaler
+    if guards.scaling is not None:
+        scaler = _loss_scale.adjust(guards.scaling, state.scaler, finite)
+    return new_updates, state._replace(
+        clip_state=clip_state,
+        inner_state=inner_state,
+        global_norm=norm.astype(state.global_norm.dtype),
+        skipped=skip,
+        skip_count=state.skip_count + skip.astype(jnp.int32),
+        nonfinite_count=state.nonfinite_count + (~ok).astype(jnp.int32),
+        step=optax.safe_increment(state.step),
+        scaler=scaler,
+        spikes=spikes,
+        nonfinite_streak=jnp.where(ok, 0, optax.safe_increment(state.nonfinite_streak)),
+    )
+
+
+def _accumulated_step(guards: _Guards, updates, loss, state, params, extra_args):
+    """A micro-batch: added to the window's sums; on the window's last one, the step on their
+    mean (the loss's too), and the sums restarted. Every other micro-batch returns zero updates
+    and leaves the rest of the state as it was."""
+    sums = _accumulate.add(state.accumulation, updates, loss)
+    k = guards.window
+
+    def emit(sums):
+        mean_loss, args = None, extra_args
+        if loss is not None:
+            mean_loss = sums.loss_sum / k
+            args = {**extra_args, "value": mean_loss}
+        new_updates, new_state = _step(guards, sums.grads, updates, mean_loss, state, params, args)
+        return new_updates, new_state._replace(accumulation=_accumulate.restart(sums))
+
+    def hold(sums):
+        shapes = jax.eval_shape(lambda s: emit(s)[0], sums)
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
+        return zeros, state._replace(accumulation=sums)
+
+    return jax.lax.cond(sums.micro_step == k, emit, hold, sums)
 
 
 def _plain(x):
@@ -209,12 +302,36 @@ def _plain(x):
     return getter() if callable(getter) else x.value
 
 
+def _is_scaler(x) -> bool:
+    return isinstance(x, LossScaleState)
+
+
+def _scalers(opt_state) -> list:
+    """The dynamic loss scales' states in `opt_state`; raises for one inside ``MultiSteps``."""
+    is_node = lambda x: isinstance(x, (LossScaleState, optax.MultiStepsState))  # noqa: E731
+    found = []
+    for node in jax.tree.leaves(opt_state, is_leaf=is_node):
+        if _is_scaler(node):
+            found.append(node)
+        elif isinstance(node, optax.MultiStepsState) and any(
+            _is_scaler(x) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=_is_scaler)
+        ):
+            raise ValueError(
+                "`opt_state` holds a dynamic loss scale inside `optax.MultiSteps`, which cannot "
+                "recover from an overflow: MultiSteps restarts its gradient sum as "
+                "`(1 - emit) * sum`, and 0 * inf is NaN, so every later step overflows and the "
+                "scale halves to its floor. Accumulate inside the guard instead: "
+                "`optclip.guarded(optimizer, clip=..., loss_scale=..., accumulation_steps=k)`."
+            )
+    return found
+
+
 def loss_scale(opt_state) -> jax.Array:
     """The current loss scale in an optimizer state: multiply the loss by it.
 
     Finds the state of :func:`guarded`'s dynamic loss scale anywhere in `opt_state`: on its own,
-    in ``optax.chain``, ``optax.MultiSteps``, ``optax.inject_hyperparams``, or a Flax NNX
-    ``nnx.Optimizer``'s ``opt_state``. Inside or outside ``jit``; nothing is synced to the host.
+    in ``optax.chain``, ``optax.inject_hyperparams``, or a Flax NNX ``nnx.Optimizer``'s
+    ``opt_state``. Inside or outside ``jit``; nothing is synced to the host.
 
     Args:
       opt_state: an optimizer state (any pytree) holding exactly one dynamic loss scale.
@@ -223,7 +340,9 @@ def loss_scale(opt_state) -> jax.Array:
       A 0-d float32 array.
 
     Raises:
-      ValueError: `opt_state` holds no dynamic loss scale, or more than one.
+      ValueError: `opt_state` holds no dynamic loss scale, or more than one, or holds it inside
+        ``optax.MultiSteps`` (a nesting that cannot recover from an overflow: use
+        :func:`guarded`'s ``accumulation_steps``).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -231,8 +350,7 @@ def loss_scale(opt_state) -> jax.Array:
       >>> print(optclip.loss_scale(opt.init(jnp.zeros(3))))
       32768.0
     """
-    is_scaler = lambda x: isinstance(x, LossScaleState)  # noqa: E731
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=is_scaler) if is_scaler(x)]
+    found = _scalers(opt_state)
     if len(found) != 1:
         what = "no dynamic loss scale" if not found else f"{len(found)} dynamic loss scales"
         raise ValueError(

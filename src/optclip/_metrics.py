@@ -40,7 +40,14 @@ _NESTED = {
 }
 _OWN_FIELDS = {
     ClippedState: ("skip_count",),
-    GuardedState: ("global_norm", "skipped", "skip_count", "nonfinite_count", "step"),
+    GuardedState: (
+        "global_norm",
+        "skipped",
+        "skip_count",
+        "nonfinite_count",
+        "nonfinite_streak",
+        "step",
+    ),
     LossScaleState: ("loss_scale", "growth_tracker", "overflow_count"),
     SpikeState: ("norm_threshold", "loss_threshold", "spike_count", "filled"),
 }
@@ -78,7 +85,10 @@ def _fields(state) -> list:
     the names are known without computing anything."""
     if type(state) in _OWN_FIELDS:
         own = _OWN_FIELDS[type(state)]
-        return [(name, functools.partial(getattr, state, name)) for name in own]
+        out: list = [(name, functools.partial(getattr, state, name)) for name in own]
+        if isinstance(state, GuardedState) and state.accumulation is not None:
+            out.append(("micro_step", functools.partial(getattr, state.accumulation, "micro_step")))
+        return out
     out = [("global_norm", lambda: state.global_norm), ("threshold", lambda: state.threshold)]
     if "scale" in state._fields:
         out.append(("clipped", lambda: jnp.isfinite(state.global_norm) & (state.scale < 1)))
@@ -104,6 +114,8 @@ def _fields(state) -> list:
 def _without_nested(state):
     """A wrapper's state without the states it holds (they are found and logged on their own)."""
     nested = _NESTED.get(type(state), ())
+    if isinstance(state, GuardedState) and state.accumulation is not None:
+        state = state._replace(accumulation=state.accumulation._replace(grads=None))
     return state._replace(**dict.fromkeys(nested)) if nested else state
 
 
@@ -149,7 +161,9 @@ def metrics(opt_state) -> dict:
     ``step``; ZClip's ``spike_count``, ``mean``, ``std``; ``clipped/skip_count``), AdaGC's
     ``adagc/leaf_threshold/<leaf>`` and ``adagc/leaf_clip_count/<leaf>`` per leaf,
     :func:`guarded`'s ``guarded/global_norm``, ``guarded/skipped``, ``guarded/skip_count``,
-    ``guarded/nonfinite_count``, ``guarded/step``, ``loss_scale/loss_scale``,
+    ``guarded/nonfinite_count``, ``guarded/nonfinite_streak`` (non-finite steps in a row),
+    ``guarded/step``, ``guarded/micro_step`` (with ``accumulation_steps``),
+    ``loss_scale/loss_scale``,
     ``loss_scale/growth_tracker``, ``loss_scale/overflow_count``, ``skip_spikes/norm_threshold``,
     ``skip_spikes/loss_threshold``, ``skip_spikes/spike_count`` and ``skip_spikes/filled``; one
     ``global_clip/group_norm/<group>`` per group with ``group_norms=``. When a chain holds two
