@@ -423,13 +423,15 @@ def test_flax_nnx_optimizer():
     assert float(optclip.loss_scale(optimizer.opt_state)) == 2.0**15
 
 
-def test_state_keeps_its_structure_and_checkpoints(tmp_path):
+@pytest.mark.parametrize("accumulation_steps", [None, 2])
+def test_state_keeps_its_structure_and_checkpoints(tmp_path, accumulation_steps):
     ocp = pytest.importorskip("orbax.checkpoint")
     opt = optclip.guarded(
         optax.adam(1e-3),
         clip=optclip.global_clip(1.0),
         loss_scale=True,
         skip_spikes=optclip.SpikeSkip(window=4),
+        accumulation_steps=accumulation_steps,
     )
     state = opt.init(PARAMS)
     _, after = jax.jit(opt.update)(gradient_steps(1)[0], state, PARAMS, value=jnp.float32(2.0))

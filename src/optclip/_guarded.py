@@ -288,10 +288,24 @@ def _accumulated_step(guards: _Guards, updates, loss, state, params, extra_args)
 
     def hold(sums):
         shapes = jax.eval_shape(lambda s: emit(s)[0], sums)
-        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes)
-        return zeros, state._replace(accumulation=sums)
+        return _zeros(shapes, updates), state._replace(accumulation=sums)
 
     return jax.lax.cond(sums.micro_step == k, emit, hold, sums)
+
+
+def _zeros(shapes, grads):
+    """Zeros of `shapes` (the step's updates), made from the gradients where their structures
+    and shapes match: inside ``shard_map`` they then vary over the same mesh axes as the
+    updates, as both branches of a ``cond`` must."""
+    if jax.tree.structure(shapes) != jax.tree.structure(grads):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.tree.map(
+        lambda s, g: (
+            jnp.zeros_like(g, s.dtype) if jnp.shape(g) == s.shape else jnp.zeros(s.shape, s.dtype)
+        ),
+        shapes,
+        grads,
+    )
 
 
 def _plain(x):
