@@ -228,10 +228,11 @@ def buckets(spec, updates, field, what: str) -> tuple:
 
 def init(spec, params, dtype, stacked: tuple = (), axis_name=None, what: str = "the clip"):
     """The state's `group_norms` field: None without groups, else zeros for each group of
-    `params` (and the number of layers of each stack)."""
+    `params` (and the number of layers of each stack). `stacked` is checked against `params`
+    with or without groups, as `layout` checks it against the updates."""
+    leaf_stacks = _layers.stacks(stacked, params)
     if spec is None:
         return None
-    leaf_stacks = _layers.stacks(stacked, params)
     layers, _ = _layers.layer_splits(params, leaf_stacks, axis_name, None, what)
     names, _ = assign(spec, params, stacked, layers)
     flat = _layers.leaves_with_paths(params)
