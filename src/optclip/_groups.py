@@ -210,6 +210,7 @@ def layout(spec, stacked: tuple, updates, field, what: str, axis_name=None) -> L
     state was made with (checked); None without groups or stacked leaves."""
     if spec is None and not stacked:
         return None
+    _checks.check_leaves(updates, what)  # (before their shapes are read)
     leaf_stacks = _layers.stacks(stacked, updates)
     axes = tuple(None if s is None else s.axis for s in leaf_stacks)
     if spec is None:
