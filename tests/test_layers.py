@@ -419,45 +419,76 @@ def test_layer_groups_need_stacked():
         optclip.zclip(group_norms="layer")
 
 
+# `stacked=` that does not fit the tree: the same error at `init` and at `update`, whatever
+# `group_norms` is (the docstring's promise), eager and under `jit`.
+NOT_FITTING = {
+    "no such key path": (
+        "nope",
+        {"blocks": jnp.ones((2, 3)), "head": jnp.ones(3)},
+        r"`stacked` names 'nope', which is no key path of this tree's leaves \(its "
+        r"top-level keys: \['blocks', 'head'\]\)",
+    ),
+    "no layer axis 2": (
+        {"blocks": 2},
+        {"blocks": {"w": jnp.ones((2, 3))}},
+        r"`stacked` gives leaf `blocks/w` \(shape \(2, 3\)\) layer axis 2, which it does not",
+    ),
+    "a 0-d leaf": (
+        "blocks",
+        {"blocks": {"b": jnp.ones(()), "w": jnp.ones((2, 3))}},
+        r"`stacked` gives leaf `blocks/b` \(shape \(\)\) layer axis 0",
+    ),
+    "4 and 3 layers": (
+        "blocks",
+        {"blocks": {"v": jnp.ones((3, 2)), "w": jnp.ones((4, 2))}, "head": jnp.ones(2)},
+        r"The leaves of stack 'blocks' of `stacked` must hold one number of layers: "
+        r"`blocks/v` has 3, `blocks/w` 4",
+    ),
+    "two stacks": (
+        ["blocks", "blocks/attn"],
+        {"blocks": {"attn": jnp.ones((2, 3))}},
+        r"Leaf `blocks/attn` is in two stacks of `stacked`: 'blocks' and 'blocks/attn'",
+    ),
+}
+CLIPS_WITH_STACKED = {
+    "global_clip": lambda **kw: optclip.global_clip(1.0, **kw),
+    "agc": lambda **kw: optclip.agc(**kw),
+    "autoclip": lambda **kw: optclip.autoclip(history=4, **kw),
+    "zclip": lambda **kw: optclip.zclip(**kw),
+}
+GROUP_SPECS = {"None": None, "leaf": "leaf", "layer": "layer", "1": 1, "function": by_block}
+
+
+@pytest.mark.every_case  # (each raises while tracing: nothing is compiled)
+@pytest.mark.parametrize("case", NOT_FITTING)
 @pytest.mark.parametrize(
-    "stacked, tree, pattern",
-    [
-        (
-            "blokcs",
-            {"blocks": jnp.ones((2, 3)), "head": jnp.ones(3)},
-            r"`stacked` names 'blokcs', which is no key path of this tree's leaves \(its "
-            r"top-level keys: \['blocks', 'head'\]\)",
-        ),
-        (
-            {"blocks": 2},
-            {"blocks": {"w": jnp.ones((2, 3))}},
-            r"`stacked` gives leaf `blocks/w` \(shape \(2, 3\)\) layer axis 2, which it does not",
-        ),
-        (
-            "blocks",
-            {"blocks": {"b": jnp.ones(()), "w": jnp.ones((2, 3))}},
-            r"`stacked` gives leaf `blocks/b` \(shape \(\)\) layer axis 0",
-        ),
-        (
-            "blocks",
-            {"blocks": {"b": jnp.ones((3,)), "w": jnp.ones((2, 3))}},
-            r"The leaves of stack 'blocks' of `stacked` must hold one number of layers: "
-            r"`blocks/b` has 3, `blocks/w` 2",
-        ),
-        (
-            ["blocks", "blocks/attn"],
-            {"blocks": {"attn": jnp.ones((2, 3))}},
-            r"Leaf `blocks/attn` is in two stacks of `stacked`: 'blocks' and 'blocks/attn'",
-        ),
+    "clip, spec",
+    [("global_clip", spec) for spec in GROUP_SPECS]
+    + [
+        (clip, spec)
+        for clip in CLIPS_WITH_STACKED
+        if clip != "global_clip"
+        for spec in ("None", "layer")
     ],
 )
-def test_stacked_that_does_not_fit_the_tree_is_an_error_naming_the_leaf(stacked, tree, pattern):
-    tx = optclip.global_clip(1.0, stacked=stacked)
-    with pytest.raises(ValueError, match=pattern):
-        tx.update(tree, tx.init(tree))
-    grouped = optclip.global_clip(1.0, stacked=stacked, group_norms="leaf")
-    with pytest.raises(ValueError, match=pattern):
-        grouped.init(tree)
+def test_stacked_that_does_not_fit_the_tree_is_an_error_at_init_and_update(clip, spec, case):
+    stacked, tree, pattern = NOT_FITTING[case]
+    make = CLIPS_WITH_STACKED[clip]
+    tx = make(stacked=stacked, group_norms=GROUP_SPECS[spec])
+    # A state for `update` made without `stacked` (none with it can be made for this tree):
+    # the updates' stacks are checked before the state's groups are.
+    unstacked = make(group_norms="leaf" if spec == "layer" else GROUP_SPECS[spec])
+
+    def init(tree):
+        return tx.init(tree)
+
+    def update(tree):
+        return tx.update(tree, unstacked.init(tree), tree)
+
+    for step in (init, update):
+        for fn in (step, jax.jit(step)):
+            with pytest.raises(ValueError, match=pattern):
+                fn(tree)
 
 
 def test_updates_with_another_number_of_layers_than_the_state_are_an_error():

@@ -164,7 +164,8 @@ def adagc(
       ValueError: `lambda_rel` not > 0; `beta` outside [0, 1); `warmup_steps` not an int >= 1;
         `max_norm` not 0-d or NaN; unknown `nonfinite` or `group_norms`; at update, updates
         whose leaves are not those the state was made for.
-      TypeError: at update, an integer or boolean leaf (the message names its path).
+      TypeError: a non-numeric leaf (a str, a NumPy array of objects; at init and update), an
+        integer or boolean leaf (at update), each named by its path.
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
 
     Examples:

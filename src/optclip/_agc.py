@@ -175,7 +175,9 @@ def agc(
         update, ``params=None``, params that do not match the updates, or `axis` out of range;
         a `group_norms` or `stacked` that does not fit (as in :func:`optclip.global_clip`).
       TypeError: `axis` is not None, an int or ints; `axis_name` is not one of the accepted
-        forms; at update, an integer or boolean leaf (the message names its path).
+        forms; a non-numeric leaf (a str, a NumPy array of objects) of `params` at init, of the
+        updates or `params` at update; at update, an integer or boolean leaf (each named by its
+        path).
 
     Warns:
       UserWarning: a concrete ``clipping=0``, which zeroes every update.
@@ -220,12 +222,13 @@ def agc(
 
     def step(updates, state, params, inverse_scale=None):
         paths_and_updates, treedef, param_leaves = _flatten_with_params(updates, params)
+        for (path, g), w in zip(paths_and_updates, param_leaves):  # (before shapes are read)
+            _checks.check_float_leaf(path, g, "agc")
+            _checks.check_float_leaf(path, w, "agc")
         specs = _agc_specs(paths_and_updates, updates, axis_name)
         leaf_stacks = _layers.stacks(stacked, updates)
         out, unit_norms, unit_limits, kept_axes = [], [], [], []
         for (path, g), w, spec, stack in zip(paths_and_updates, param_leaves, specs, leaf_stacks):
-            _checks.check_float_leaf(path, g, "agc")
-            _checks.check_float_leaf(path, w, "agc")
             g, w = jnp.asarray(g), jnp.asarray(w)
             if g.shape != w.shape:
                 raise ValueError(

@@ -98,7 +98,8 @@ def autoclip(
         `nonfinite`; a `group_norms` or `stacked` that does not fit (as in
         :func:`optclip.global_clip`).
       TypeError: `history` is a JAX array (traced by ``inject_hyperparams``); `axis_name` is not
-        one of the accepted forms; at update, an integer or boolean leaf.
+        one of the accepted forms; a non-numeric leaf (a str, a NumPy array of objects; at init
+        and update), an integer or boolean leaf (at update), each named by its path.
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip

@@ -323,7 +323,8 @@ def check_split(tree, axis_name) -> None:
     Raises:
       AxisNameError: a leaf declared split over an axis is the same on every device of it.
       ValueError: an axis of `axis_name` is not bound here, or it does not match `tree`.
-      TypeError: `axis_name` is not one of the accepted forms.
+      TypeError: `axis_name` is not one of the accepted forms; a non-numeric leaf (a str, a
+        NumPy array of objects), named by its path.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optclip

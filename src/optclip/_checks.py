@@ -49,10 +49,7 @@ def concrete(value):
 
 
 def _shape_of(value):
-    shape = getattr(value, "shape", None)
-    if shape is None:
-        shape = np.shape(value)
-    return tuple(shape)
+    return tuple(np.shape(value))  # (`value.shape` where it has one)
 
 
 def check_scalar(value, name: str, *, allow_nan: bool = False):
@@ -194,23 +191,36 @@ def check_choice(value, name: str, accepted: Sequence[str]) -> str:
 
 def leaf_name(path) -> str:
     """A readable name for a leaf's path: `['layer'][0]`, or `<array>` for a bare array."""
-    text = jax.tree_util.keystr(tuple(path))
-    return text if text else "<array>"
+    return jax.tree_util.keystr(tuple(path)) or "<array>"
 
 
 def check_array_leaf(path, leaf, what: str) -> None:
-    """A leaf must be an array or a number: anything else (a str, an object) is named as what
-    it is, not read as a dtype (``jnp.result_type("int32")`` is int32)."""
-    if isinstance(leaf, (numbers.Number, np.ndarray, np.generic, jax.Array)) or hasattr(
-        leaf, "__jax_array__"
-    ):
+    """The one check of a leaf, at every entry point: a JAX array, a Python number, or anything
+    with a dtype JAX has (NumPy arrays and scalars, `jax.ShapeDtypeStruct`). Anything else (a
+    str, bytes, a NumPy array of objects or strings) is named with its path and what it holds,
+    not read as a dtype (``jnp.result_type("int32")`` is int32)."""
+    if isinstance(leaf, (jax.Array, bool, int, float, complex)) or hasattr(leaf, "__jax_array__"):
         return
-    text = repr(leaf)
-    text = text if len(text) <= 60 else text[:57] + "..."
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is not None and (jnp.issubdtype(dtype, jax.dtypes.extended) or dtype == np.bool_):
+        return
+    if dtype is not None and jnp.issubdtype(dtype, jnp.number):
+        if np.dtype(dtype).itemsize <= (16 if jnp.issubdtype(dtype, jnp.complexfloating) else 8):
+            return  # (not a long double, which JAX does not have)
+    kind = type(leaf).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+    text = repr(leaf) if len(repr(leaf)) <= 60 else repr(leaf)[:57] + "..."
     raise TypeError(
-        f"{what} needs arrays or numbers as leaves; leaf `{leaf_name(path)}` is a "
-        f"{type(leaf).__name__}: {text}."
+        f"{what} needs numbers or arrays of numbers as leaves; leaf `{leaf_name(path)}` is "
+        f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}: {text}."
     )
+
+
+def check_leaves(tree, what: str, prefix: tuple = ()) -> list:
+    """`tree`'s ``(path, leaf)`` pairs, each leaf checked (named by `prefix` and its path)."""
+    paths_and_leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for path, leaf in paths_and_leaves:
+        check_array_leaf((*prefix, *path), leaf, what)
+    return paths_and_leaves
 
 
 def check_float_leaf(path, leaf, what: str) -> None:

@@ -96,7 +96,9 @@ def clipped(
     Raises:
       ValueError: more than one of `clipnorm`, `clipvalue`, `global_clipnorm`; an unknown
         `nonfinite`; a threshold that is not 0-d or is NaN (a traced NaN makes the update NaN).
-      TypeError: `optimizer` is not a transformation (say, the factory ``optax.adam`` itself).
+      TypeError: `optimizer` is not a transformation (say, the factory ``optax.adam`` itself); a
+        non-numeric leaf (a str, a NumPy array of objects; at init and update), named by its
+        path; an integer or boolean leaf at update with `clipnorm` or `global_clipnorm`.
       NonFiniteNormError: with ``nonfinite="raise"``, a gradient whose norm is not finite.
 
     Examples:
@@ -137,9 +139,11 @@ def clipped(
     inner = optax.with_extra_args_support(optimizer)
 
     def init_fn(params):
+        _checks.check_leaves(params, "`init`")
         return ClippedState(clip.init(params), inner.init(params), _steps.counter())
 
     def update_fn(updates, state, params=None, **extra_args):
+        _checks.check_leaves(updates, "clipped")
         if nonfinite != "propagate" and global_clipnorm is None:
             norm = _norms.global_norm_of(updates, 2.0, None, "clipped")
             if nonfinite == "raise":

@@ -41,8 +41,9 @@ def global_norm(tree, *, ord=2, axis_name=None):
       A 0-d float32 array (float64 if any leaf is float64 or complex128).
 
     Raises:
-      TypeError: a leaf is not floating-point or complex (the message names its path), or
-        ``axis_name`` is not one of the accepted forms.
+      TypeError: a leaf is not floating-point or complex (a non-numeric one: a str, a NumPy
+        array of objects; the message names its path), or ``axis_name`` is not one of the
+        accepted forms.
       ValueError: ``ord`` is not one of the accepted values, or ``axis_name`` does not match.
 
     Examples:
@@ -81,8 +82,8 @@ def clip_by_value(tree, clip_value_min, clip_value_max):
     Raises:
       ValueError: concrete ``clip_value_min > clip_value_max``, a concrete NaN bound, or a bound
         that does not broadcast to a leaf (the message names the leaf).
-      TypeError: a boolean or complex leaf, or a leaf that is not an array (a str, say); a
-        complex bound (it has no order).
+      TypeError: a boolean or complex leaf, or a non-numeric one (a str, a NumPy array of
+        objects; the message names its path); a complex bound (it has no order).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -168,8 +169,9 @@ def clip_by_norm(tree, clip_norm, axes=None):
 
     Raises:
       ValueError: `clip_norm` is not 0-d or is NaN, or `axes` is out of range for a leaf.
-      TypeError: an integer or boolean leaf (the message names its path); `axes` that are not
-        None, an int or ints (``[0.5]``, ``True`` or ``jnp.array(1.5)`` are not truncated).
+      TypeError: an integer, boolean or non-numeric leaf (the message names its path); `axes`
+        that are not None, an int or ints (``[0.5]``, ``True`` or ``jnp.array(1.5)`` are not
+        truncated).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip
@@ -212,7 +214,8 @@ def clip_by_average_norm(tree, clip_norm):
 
     Raises:
       ValueError: `clip_norm` is not 0-d, or is NaN.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer, boolean or non-numeric leaf (a str, a NumPy array of objects; the
+        message names its path).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -250,7 +253,8 @@ def clip_by_block_rms(tree, threshold):
 
     Raises:
       ValueError: `threshold` is not 0-d, or is NaN.
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer, boolean or non-numeric leaf (a str, a NumPy array of objects; the
+        message names its path).
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -324,7 +328,8 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
     Raises:
       ValueError: `clip_norm` or `use_norm` is not 0-d; `clip_norm` is NaN (a NaN `use_norm`
         is a norm like any other: every leaf becomes NaN).
-      TypeError: an integer or boolean leaf (the message names its path).
+      TypeError: an integer, boolean or non-numeric leaf (a str, a NumPy array of objects; the
+        message names its path).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip

@@ -210,6 +210,7 @@ def layout(spec, stacked: tuple, updates, field, what: str, axis_name=None) -> L
     state was made with (checked); None without groups or stacked leaves."""
     if spec is None and not stacked:
         return None
+    _checks.check_leaves(updates, what)  # (before their shapes are read)
     leaf_stacks = _layers.stacks(stacked, updates)
     axes = tuple(None if s is None else s.axis for s in leaf_stacks)
     if spec is None:
@@ -228,10 +229,11 @@ def buckets(spec, updates, field, what: str) -> tuple:
 
 def init(spec, params, dtype, stacked: tuple = (), axis_name=None, what: str = "the clip"):
     """The state's `group_norms` field: None without groups, else zeros for each group of
-    `params` (and the number of layers of each stack)."""
+    `params` (and the number of layers of each stack). `stacked` is checked against `params`
+    with or without groups, as `layout` checks it against the updates."""
+    leaf_stacks = _layers.stacks(stacked, params)
     if spec is None:
         return None
-    leaf_stacks = _layers.stacks(stacked, params)
     layers, _ = _layers.layer_splits(params, leaf_stacks, axis_name, None, what)
     names, _ = assign(spec, params, stacked, layers)
     flat = _layers.leaves_with_paths(params)

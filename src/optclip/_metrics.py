@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import optax
 from jax.tree_util import GetAttrKey
 
+from optclip import _checks
 from optclip._adagc import AdaGCState
 from optclip._agc import AGCState
 from optclip._autoclip import AutoClipState
@@ -181,7 +182,9 @@ def metrics(opt_state) -> dict:
       holds no optclip state.
 
     Raises:
-      TypeError: `opt_state` is an optimizer (a transformation) or a function, not a state.
+      TypeError: `opt_state` is an optimizer (a transformation) or a function, not a state; an
+        optclip state in it holds a leaf that is not a number or an array of numbers (the
+        message names its path in `opt_state`).
 
     Examples:
       >>> import jax.numpy as jnp, optax, optclip
@@ -210,6 +213,8 @@ def metrics(opt_state) -> dict:
         where = ".".join(key_text(k) for k in path)
         prefixes.append(kind if counts[kind] == 1 else f"{kind}[{where}]")
     states = tuple(_plain(_without_nested(s)) for _, s in found)
+    for (path, _), state in zip(found, states):
+        _checks.check_leaves(state, "`metrics`", path)
     if not found:
         return {}
     names = [f"{prefix}/{name}" for prefix, s in zip(prefixes, states) for name, _ in _fields(s)]

@@ -208,8 +208,8 @@ def per_example_clip(grads, max_norm, *, nonfinite="propagate", return_norms=Fal
     Raises:
       ValueError: a leaf has no batch axis (0-d) or a batch size other than the first leaf's
         (the message names both), `max_norm` is not 0-d or is NaN, or `nonfinite` is unknown.
-      TypeError: an integer or boolean leaf (the message names its path), or `return_norms`
-        is not a bool.
+      TypeError: an integer, boolean or non-numeric leaf (the message names its path), or
+        `return_norms` is not a bool.
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -286,9 +286,9 @@ def per_example_layer_clip(
     Raises:
       ValueError: a leaf has no batch axis (0-d) or a batch size other than the first leaf's,
         `max_norm` is not 0-d or is NaN, or `nonfinite` is unknown.
-      TypeError: an integer or boolean leaf (the message names its path), or `uniform` or
-        `return_norms` is not a bool (they decide the program: with ``jax.jit``, make them
-        static arguments).
+      TypeError: an integer, boolean or non-numeric leaf (the message names its path), or
+        `uniform` or `return_norms` is not a bool (they decide the program: with ``jax.jit``,
+        make them static arguments).
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip

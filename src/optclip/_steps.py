@@ -6,7 +6,6 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 
-import jax
 import jax.numpy as jnp
 import optax
 
@@ -20,8 +19,9 @@ def counter():
 
 def state_dtype(params):
     """The dtype of norms kept in a state: the accumulation dtype of the float leaves of
-    `params` (float32, or float64 if any leaf is float64/complex128)."""
-    leaves = [x for x in jax.tree.leaves(params) if is_inexact(x)]
+    `params` (float32, or float64 if any leaf is float64/complex128), its leaves checked (every
+    `init` that reads `params` goes through here)."""
+    leaves = [x for _, x in _checks.check_leaves(params, "`init`") if is_inexact(x)]
     return _norm_rules.widest_accum_dtype([jnp.result_type(x) for x in leaves])
 
 

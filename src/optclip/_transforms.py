@@ -33,14 +33,12 @@ class GlobalClipState(NamedTuple):
 
 
 def _per_leaf_transform(clip_fn, max_norm, name="max_norm"):
-    """A transform applying ``clip_fn(updates, threshold)``; state only for a schedule.
-
-    `name` is the factory's argument, named by the error for a bad schedule value.
-    """
+    """A transform applying ``clip_fn(updates, threshold)``; state only for a schedule. `name`
+    is the factory's argument, named by the error for a bad schedule value."""
     scheduled = _checks.is_schedule(max_norm)
 
     def init_fn(params):
-        del params
+        _checks.check_leaves(params, "`init`")
         return ScheduleState(_steps.counter()) if scheduled else optax.EmptyState()
 
     def step(updates, state, inverse_scale=None):
@@ -88,7 +86,8 @@ def value_clip(clip_value_min, clip_value_max=_checks.NOT_GIVEN) -> optax.Gradie
 
     Raises:
       ValueError: concrete bounds with ``min > max`` (a single ``v < 0``), or a NaN bound.
-      TypeError: a bound that is not a real number or array (a complex bound, say).
+      TypeError: a bound that is not a real number or array (a complex bound, say); at init and
+        update, a non-numeric leaf (a str, a NumPy array of objects), named by its path.
 
     Examples:
       >>> import jax.numpy as jnp, optclip
@@ -105,7 +104,7 @@ def value_clip(clip_value_min, clip_value_max=_checks.NOT_GIVEN) -> optax.Gradie
     _checks.check_bounds(clip_value_min, clip_value_max)
 
     def init_fn(params):
-        del params
+        _checks.check_leaves(params, "`init`")
         return optax.EmptyState()
 
     def update_fn(updates, state, params=None):
@@ -153,8 +152,8 @@ def norm_clip(max_norm, axes=None) -> optax.GradientTransformation:
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is, or `axes` out of range for a leaf.
-      TypeError: `axes` is not None, an int or ints (``[0.5]``, ``True``, a traced value); at
-        update, an integer or boolean leaf.
+      TypeError: `axes` is not None, an int or ints (``[0.5]``, ``True``, a traced value); a
+        non-numeric leaf (at init and update), an integer or boolean one (at update).
 
     Warns:
       UserWarning: a concrete `max_norm` <= 0, which zeroes every update (TensorFlow's rule;
@@ -193,6 +192,7 @@ def average_norm_clip(max_norm) -> optax.GradientTransformation:
     Raises:
       ValueError: `max_norm` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is.
+      TypeError: a non-numeric leaf (at init and update), an integer or boolean one (at update).
 
     Warns:
       UserWarning: a concrete `max_norm` <= 0, which zeroes every update.
@@ -230,7 +230,7 @@ def block_rms_clip(threshold) -> optax.GradientTransformation:
     Raises:
       ValueError: `threshold` is not 0-d or is NaN (a traced NaN makes the updates NaN); at
         update, a schedule value that is.
-      TypeError: at update, an integer or boolean leaf.
+      TypeError: a non-numeric leaf (at init and update), an integer or boolean one (at update).
 
     Warns:
       UserWarning: a concrete `threshold` <= 0, which zeroes every update.
@@ -313,8 +313,8 @@ def global_clip(
         at init and update, a `stacked` key path that holds no leaf, a leaf without the layer
         axis, or leaves of one stack with different numbers of layers (the message names them).
       TypeError: `axis_name` is not one of the accepted forms; `stacked` that is not a key path,
-        list or dict, or a layer axis that is not an int; at update, an integer or boolean leaf
-        (the message names its path).
+        list or dict, or a layer axis that is not an int; a non-numeric leaf (a str, a NumPy
+        array of objects; at init and update), an integer or boolean leaf (at update), each named.
       NonFiniteNormError: with ``nonfinite="raise"``, a non-finite norm.
 
     Warns:

@@ -166,7 +166,8 @@ def zclip(
         that is not 0-d; a `group_norms` or `stacked` that does not fit (as in
         :func:`optclip.global_clip`).
       TypeError: `skip_update_on_spike` not a bool; `axis_name` not one of the accepted forms;
-        at update, an integer or boolean leaf.
+        a non-numeric leaf (a str, a NumPy array of objects; at init and update), an integer or
+        boolean leaf (at update), each named by its path.
 
     Warns:
       UserWarning: a concrete `max_norm` <= 0, which zeroes every update (``max_norm=None``
