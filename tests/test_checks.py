@@ -329,6 +329,7 @@ _SCALED = optclip.DynamicLossScale(4.0)
 # `test_every_public_name_is_in_the_leaf_table` until it is placed here.
 LEAF_ENTRY_POINTS: dict = {
     "AGCState": "a state class",
+    "AccumulationState": "a state class",
     "AdaGCState": "a state class",
     "AutoClipState": "a state class",
     "ClippedState": "a state class",
@@ -382,6 +383,11 @@ LEAF_ENTRY_POINTS: dict = {
     + _transform(
         lambda: optclip.guarded(
             optax.adam(1e-3), clip=optclip.adagc(warmup_steps=2), loss_scale=_SCALED
+        )
+    )
+    + _transform(
+        lambda: optclip.guarded(
+            optax.sgd(0.1), clip=optclip.global_clip(1.0), loss_scale=_SCALED, accumulation_steps=2
         )
     ),
     "agc": _transform(lambda: optclip.agc(), params=True)

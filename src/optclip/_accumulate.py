@@ -54,6 +54,7 @@ def init(params) -> AccumulationState:
 
 def add(state: AccumulationState, updates, loss) -> AccumulationState:
     """The sums with this micro-batch's gradients and loss (None: no ``value=``) added."""
+    _checks.check_leaves(updates, "`guarded`'s update")
     grads = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), state.grads, updates)
     loss_sum = state.loss_sum if loss is None else state.loss_sum + loss.astype(jnp.float32)
     return AccumulationState(grads, loss_sum, state.micro_step + 1)
