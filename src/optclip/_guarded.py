@@ -297,15 +297,17 @@ def _zeros(shapes, grads):
     """Zeros of `shapes` (the step's updates), made from the gradients where their structures
     and shapes match: inside ``shard_map`` they then vary over the same mesh axes as the
     updates, as both branches of a ``cond`` must."""
-    if jax.tree.structure(shapes) != jax.tree.structure(grads):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return jax.tree.map(
-        lambda s, g: (
-            jnp.zeros_like(g, s.dtype) if jnp.shape(g) == s.shape else jnp.zeros(s.shape, s.dtype)
-        ),
-        shapes,
-        grads,
-    )
+    if jax.tree.structure(shapes) == jax.tree.structure(grads):
+        return jax.tree.map(
+            lambda s, g: (
+                jnp.zeros_like(g, s.dtype)
+                if jnp.shape(g) == s.shape
+                else jnp.zeros(s.shape, s.dtype)
+            ),
+            shapes,
+            grads,
+        )
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _plain(x):
