@@ -297,17 +297,16 @@ def _zeros(shapes, grads):
     """Zeros of `shapes` (the step's updates), made from the gradients where their structures
     and shapes match: inside ``shard_map`` they then vary over the same mesh axes as the
     updates, as both branches of a ``cond`` must."""
-    if jax.tree.structure(shapes) == jax.tree.structure(grads):
-        return jax.tree.map(
-            lambda s, g: (
-                jnp.zeros_like(g, s.dtype)
-                if jnp.shape(g) == s.shape
-                else jnp.zeros(s.shape, s.dtype)
-            ),
-            shapes,
-            grads,
-        )
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+    def zeros(s, g=None):
+        if g is not None and jnp.shape(g) == s.shape:
+            return jnp.zeros_like(g, s.dtype)
+        return jnp.zeros(s.shape, s.dtype)
+
+    try:
+        return jax.tree.map(zeros, shapes, grads)
+    except (ValueError, TypeError):  # (another structure than the gradients')
+        return jax.tree.map(zeros, shapes)
 
 
 def _plain(x):
