@@ -15,9 +15,13 @@ JAX on that many CPU devices (write them so that they print the same on any devi
 import re
 import subprocess
 import sys
+import tomllib
 
 import pytest
 from _workers import doc_blocks, launch
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
 
 ROOT = doc_blocks.ROOT
 README = ROOT / "README.md"
@@ -102,7 +106,8 @@ def test_relative_links_point_to_files(page):
 
 def test_ci_runs_exactly_the_readme_commands():
     """`.ci/run` runs the README's commands, as written there, then `.ci/wheel` (the fast tier
-    against the installed wheel), and nothing else."""
+    against the installed wheel) and `.ci/lowest` (the fast tier at the lowest versions), and
+    nothing else."""
     readme = README.read_text()
     ci = [
         line.strip()
@@ -114,6 +119,7 @@ def test_ci_runs_exactly_the_readme_commands():
         'python -m pip install -e ".[test,docs]" && python -m pytest -q -m slow',
         "python -m mypy src",
         "bash .ci/wheel",
+        "bash .ci/lowest",
     ]
     commands = [
         line
@@ -122,6 +128,30 @@ def test_ci_runs_exactly_the_readme_commands():
         if line.strip()
     ]
     demo = 'python -m pip install -e ".[examples]" && python examples/rnn_exploding_gradients.py'
-    for line in [demo, *ci[:-1]]:
+    for line in [demo, *ci[:-2]]:
         assert line in commands, f"README does not give the command {line!r}"
     assert ".ci/wheel" in readme, "README does not say that CI tests the installed wheel"
+    assert ".ci/lowest" in readme, "README does not say that CI tests the lowest versions"
+
+
+def test_the_lowest_versions_ci_tests_are_the_lower_bounds_pyproject_declares():
+    """`.ci/lowest.txt` pins every runtime and test dependency at its lower bound in
+    `pyproject.toml` (ruff and mypy aside: they run in CI's main environment), and nothing else;
+    the README states the same floor."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    bounds = {}
+    for text in project["dependencies"] + project["optional-dependencies"]["test"]:
+        requirement = Requirement(text)
+        (spec,) = requirement.specifier
+        assert spec.operator == ">=", f"{text}: a lower bound is expected"
+        bounds[canonicalize_name(requirement.name)] = Version(spec.version)
+    pins = {}
+    for line in (ROOT / ".ci" / "lowest.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = Version(version)
+    assert pins == {name: v for name, v in bounds.items() if name not in ("ruff", "mypy")}
+    readme = README.read_text()
+    for name in ("jax", "jaxlib", "optax", "numpy"):
+        assert f"`{name}` {bounds[name]}" in readme, f"README does not give {name}'s floor"
