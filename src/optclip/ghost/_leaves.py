@@ -1,0 +1,144 @@
+"""Each parameter leaf's per-example gradient norm: ghost where every use has a closed form, else
+from its per-example gradient, materialised for that leaf only.
+
+A leaf goes *ghost* when every use is a dense or embedding site and all of them share one
+layout (or its transpose: the input and output embeddings of a tied model); its squared norm is
+then the sum over every pair of uses (`_factors.leaf_terms`, the cross terms included). Any other
+leaf is *materialised*: each use's per-example gradient is that equation's VJP for that example
+(`jax.vmap` of `jax.vjp` of the one equation, with the example's recorded operands and output
+gradient), pulled back through the view's chain and summed over uses; its norm is optclip's
+per-example norm (`_per_example.example_norms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from optclip import _norm_rules, _per_example
+from optclip.ghost import _factors, _interpret, _trace
+
+
+@dataclasses.dataclass
+class LeafPlan:
+    """How one leaf's norm is computed: `mode` is ``"ghost"``, ``"materialised"`` or
+    ``"unused"``; `uses` are ``(site, operand position, View)``; `swapped` says, per use, that
+    its factors are exchanged to match the first use's layout; `reason` says why."""
+
+    mode: str
+    uses: list
+    swapped: list
+    reason: str
+
+
+def plan_leaves(sites, count: int):
+    """The `LeafPlan` of each of the `count` parameter leaves."""
+    uses: list = [[] for _ in range(count)]
+    for site in sites:
+        for pos, view in site.views:
+            uses[view.leaf].append((site, pos, view))
+    return [_leaf_plan(u) for u in uses]
+
+
+def _leaf_plan(uses) -> LeafPlan:
+    if not uses:
+        return LeafPlan("unused", [], [], "not used by the loss (zero gradient)")
+    others = [site for site, _, _ in uses if site.kind == "fallback"]
+    if others:
+        return LeafPlan("materialised", uses, [], others[0].reason)
+    first = uses[0][0].layout
+    swapped = []
+    for site, _, _ in uses:
+        if site.layout == first:
+            swapped.append(False)
+        elif site.layout == (first[0], first[2], first[1]):
+            swapped.append(True)
+        else:
+            why = "used by closed-form operations in different layouts (no closed cross term)"
+            return LeafPlan("materialised", uses, [], why)
+    kinds = sorted({site.kind for site, _, _ in uses})
+    why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
+    return LeafPlan("ghost", uses, swapped, why + (" with cross terms" if len(uses) > 1 else ""))
+
+
+def _factors_of(site, pos, records, grads, acc):
+    """A dense or embed use's factors ``(x, y, exponent)``."""
+    record = records[site.id][0]
+    grad = grads[site.id][0]
+    if site.kind == "dense":
+        return _factors.dense_factors(record, grad, site.eqn, pos, acc)
+    row = _trace.embed_rows(site.eqn, pos)
+    assert row is not None  # (an embed site is a lookup of rows)
+    return _factors.embed_factors(record, grad, site.eqn, row, acc)
+
+
+def ghost_terms(leaf_plan, records, grads, acc):
+    """``(exponent, value)`` of a ghost leaf's squared per-example norms."""
+    uses = []
+    for (site, pos, _), swap in zip(leaf_plan.uses, leaf_plan.swapped, strict=True):
+        x, y, e = _factors_of(site, pos, records, grads, acc)
+        uses.append((y, x, e) if swap else (x, y, e))
+    return _factors.leaf_terms(uses, acc)
+
+
+def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
+    """Every example's gradient of each parameter leaf `site` uses, from that one equation:
+    ``{leaf index: (B, *leaf.shape)}``."""
+    positions = [pos for pos, _ in site.views]
+    values = [view.apply(leaves[view.leaf]) for _, view in site.views]
+    recorded = _interpret.recorded_positions(site)
+    outputs = _interpret.float_outputs(site.eqn)
+
+    def one(record, grad):
+        def eqn(*views):
+            invals = [None] * len(site.eqn.invars)
+            for i, x in zip(recorded, record, strict=True):
+                invals[i] = x
+            for i, x in zip(positions, views, strict=True):
+                invals[i] = x
+            outs = _interpret.bind(site.eqn, invals)
+            return [outs[j] for j in outputs]
+
+        _, pull = jax.vjp(eqn, *values)
+        cotangents = pull(list(grad))
+        out: dict = {}
+        for (_, view), ct in zip(site.views, cotangents, strict=True):
+            leaf = leaves[view.leaf]
+            (g,) = jax.linear_transpose(view.apply, leaf)(ct)
+            out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
+        return out
+
+    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(records[site.id], grads[site.id])
+
+
+def materialised_gradients(leaf_plans, leaves, records, grads, spmd_axis_name=None):
+    """The per-example gradients ``{leaf index: (B, *shape)}`` of the materialised leaves."""
+    wanted = {i for i, p in enumerate(leaf_plans) if p.mode == "materialised"}
+    sites = {}
+    for i in sorted(wanted):
+        for site, _, _ in leaf_plans[i].uses:
+            sites[site.id] = site
+    out: dict = {}
+    for site in sites.values():
+        for leaf, g in site_gradients(site, leaves, records, grads, spmd_axis_name).items():
+            if leaf in wanted:
+                out[leaf] = g if leaf not in out else out[leaf] + g
+    return out
+
+
+def leaf_norm_terms(leaf_plans, leaves, records, grads, batch: int, spmd_axis_name=None):
+    """``(exponent, value)`` of every leaf's squared per-example norms, in leaf order."""
+    acc = _norm_rules.widest_accum_dtype([x.dtype for x in leaves] or [jnp.float32])
+    materialised = materialised_gradients(leaf_plans, leaves, records, grads, spmd_axis_name)
+    terms = []
+    for i, plan in enumerate(leaf_plans):
+        if plan.mode == "ghost":
+            terms.append(ghost_terms(plan, records, grads, acc))
+        elif plan.mode == "materialised":
+            norms = _per_example.example_norms([materialised[i]], per_leaf=False)
+            terms.append(_factors.from_norms(norms.astype(acc)))
+        else:
+            terms.append((jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), acc)))
+    return terms

@@ -1,0 +1,174 @@
+"""The two ways `clipped_grad` computes a batch: ghost (``method="auto"``) and materialised
+(``method="vmap"``). Each returns ``(clipped sum, per-example norms, losses, aux)``.
+
+Both clip with optclip's scale (`_scale.clip_scale`: exact at any magnitude, 1 at a zero
+gradient). An example is *kept* unless it is padding, or (with `nan_safe`) its norm is not
+finite; a dropped example contributes exactly zero, a kept non-finite one makes the sum NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optclip import _per_example, _scale
+from optclip.ghost import _factors, _interpret, _leaves, _trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What `clipped_grad` was asked for, checked."""
+
+    argnums: Any
+    argnum_tuple: tuple
+    axes: tuple
+    l2_clip_norm: Any
+    rescale_to_unit_norm: bool
+    nan_safe: bool
+    dtype: Any
+    pre_clipping_transform: Any
+    spmd_axis_name: Any
+
+
+def weights(norms, padding, s: Settings):
+    """Each example's factor in the clipped sum (0 for a dropped example) and which examples
+    are kept."""
+    threshold = _scale.threshold_as(s.l2_clip_norm, norms.dtype)
+    scale = _scale.clip_scale(norms, threshold)
+    if s.rescale_to_unit_norm:
+        unit = jnp.where(norms > 0, 1 / jnp.where(norms > 0, norms, 1), 0)
+        scale = jnp.where(threshold > 0, scale / jnp.where(threshold > 0, threshold, 1), unit)
+    finite = jnp.isfinite(norms)
+    keep = ~padding & (finite | (not s.nan_safe))
+    return jnp.where(keep, scale, 0), keep, finite
+
+
+def _vmap(fun, in_axes, s: Settings):
+    return jax.vmap(fun, in_axes=in_axes, spmd_axis_name=s.spmd_axis_name)
+
+
+def vmap_pass(one, args, kwargs, padding, s: Settings):
+    """Per-example gradients materialised (`jax.vmap` of `jax.grad`), clipped and summed by
+    `_per_example` (the reference)."""
+
+    def value_and_grad(*a):
+        return jax.value_and_grad(lambda *p: one(p, a[-1]), argnums=s.argnums, has_aux=True)(
+            *a[:-1]
+        )
+
+    (losses, aux), grads = _vmap(value_and_grad, (*s.axes, 0), s)(*args, kwargs)
+    if s.pre_clipping_transform is not None:
+        grads = _vmap(s.pre_clipping_transform, 0, s)(grads)
+    if s.dtype is not None:
+        grads = jax.tree.map(lambda g: g.astype(s.dtype), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    norms = _per_example.example_norms(leaves, per_leaf=False)
+    w, keep, _ = weights(norms, padding, s)
+    sums = _per_example._sums(leaves, lambda i: w, keep, "zero")
+    return jax.tree.unflatten(treedef, sums), norms, losses, aux
+
+
+def _flat(args, kwargs, s: Settings):
+    """The leaves of ``(args, kwargs)`` as arrays, their tree, and per leaf: is it a parameter,
+    is it batched."""
+    flat, tree = jax.tree.flatten((args, kwargs))
+    params, batched = [], []
+    for i, arg in enumerate(args):
+        count = len(jax.tree.leaves(arg))
+        params += [i in s.argnum_tuple] * count
+        batched += [s.axes[i] == 0] * count
+    count = len(jax.tree.leaves(kwargs))
+    params += [False] * count
+    batched += [True] * count
+    flat = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat]
+    return flat, tree, params, batched
+
+
+def tapped_pass(one, flat, tree, params, batched, s: Settings):
+    """The losses, aux, per-example records and output gradients at every site, and the
+    per-leaf plans: one forward pass and one backward pass (to the taps only)."""
+    single_args = [
+        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
+        for x, b in zip(flat, batched, strict=True)
+    ]
+
+    def flat_one(*leaves):
+        a, kw = jax.tree.unflatten(tree, leaves)
+        return one(a, kw)
+
+    closed, out_shape, plan = _trace.trace(flat_one, single_args, params)
+
+    def single(leaves, taps):
+        records: dict = {}
+        outs = _interpret.run(closed.jaxpr, closed.consts, leaves, plan, taps, records)
+        return outs, records
+
+    size = next(x.shape[0] for x, b in zip(flat, batched, strict=True) if b)
+    taps = jax.tree.map(lambda z: jnp.zeros((size, *z.shape), z.dtype), _interpret.zero_taps(plan))
+    axes = [0 if b else None for b in batched]
+    mapped = _vmap(single, (axes, 0), s)
+
+    def total(taps):
+        outs, records = mapped(flat, taps)
+        return jnp.sum(outs[0]), (outs, records)
+
+    grads, (outs, records) = jax.grad(total, has_aux=True)(taps)
+    losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    param_leaves = [x for x, p in zip(flat, params, strict=True) if p]
+    plans = _leaves.plan_leaves(list(plan.all_sites()), len(param_leaves))
+    return losses, aux, records, grads, plans, param_leaves
+
+
+def ghost_norms(one, args, kwargs, s: Settings):
+    """Per-example gradient norms without per-example gradients where the uses allow:
+    ``(norms, losses, aux, leaf plans)``."""
+    flat, tree, params, batched = _flat(args, kwargs, s)
+    losses, aux, records, grads, plans, leaves = tapped_pass(one, flat, tree, params, batched, s)
+    size = losses.shape[0]
+    terms = _leaves.leaf_norm_terms(plans, leaves, records, grads, size, s.spmd_axis_name)
+    if terms:
+        norms = _factors.combine(terms)
+    else:
+        norms = jnp.zeros((size,), jnp.float32)
+    return lax.stop_gradient(norms), losses, aux, plans
+
+
+def _donated(args, kwargs, swap, s: Settings):
+    """The batch with each example where `swap` is true replaced by a finite one's inputs (its
+    factor is 0; its own inputs might give 0 * inf = NaN in the backward pass)."""
+    index = jnp.where(swap, jnp.argmax(~swap), jnp.arange(swap.shape[0]))
+    take = lambda x: jnp.take(x, index, axis=0)  # noqa: E731
+    args = tuple(jax.tree.map(take, a) if ax == 0 else a for a, ax in zip(args, s.axes))
+    return args, jax.tree.map(take, kwargs)
+
+
+def ghost_pass(one, args, kwargs, padding, s: Settings):
+    """Ghost norms, then the clipped sum as one more backward pass: the gradient of
+    ``sum_b w_b loss_b`` with the factors ``w_b`` held constant."""
+    norms, losses, aux, _ = ghost_norms(one, args, kwargs, s)
+    w, keep, finite = weights(norms, padding, s)
+    swap = ~keep & ~finite
+    args, kwargs = _donated(args, kwargs, swap, s)
+
+    def weighted(*params):
+        a = list(args)
+        for i, p in zip(s.argnum_tuple, params, strict=True):
+            a[i] = p
+        batch_losses, _ = _vmap(one, (s.axes, 0), s)(tuple(a), kwargs)
+        return jnp.sum(batch_losses.astype(w.dtype) * lax.stop_gradient(w))
+
+    params = [args[i] for i in s.argnum_tuple]
+    grads = jax.grad(weighted, argnums=tuple(range(len(params))))(*params)
+    if isinstance(s.argnums, int):
+        grads = grads[0]
+    # No finite example to stand in: every example is dropped (0) or kept non-finite (NaN).
+    empty = jnp.where(jnp.any(keep), jnp.nan, 0)
+    fill = lambda g: jnp.where(jnp.any(finite), g, empty.astype(g.dtype))  # noqa: E731
+    grads = jax.tree.map(fill, grads)
+    if s.dtype is not None:
+        grads = jax.tree.map(lambda g: g.astype(s.dtype), grads)
+    return grads, norms, losses, aux

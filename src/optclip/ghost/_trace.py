@@ -1,0 +1,241 @@
+"""Where the parameters are used: a static walk of the per-example loss's jaxpr.
+
+A *view* of a parameter leaf is the leaf after linear, shape-only operations (a dtype
+conversion, reshape, transpose, broadcast, squeeze, copy), kept as the chain of those operations
+so that a gradient can be pulled back through them. Every other equation with a view among its
+operands is a *site*: its output gets a tap, its other operands are recorded, and its
+per-example gradient (or only that gradient's norm) is computed from them. A site is
+
+* ``"dense"``: `dot_general` with one view operand reached through dtype conversions and
+  transposes (dense layers, einsums with sequence and head dimensions);
+* ``"embed"``: `gather` of rows of a 2-D view (an embedding lookup);
+* ``"fallback"``: anything else (its per-example gradient is materialised, for that use only).
+
+Calls (nested `jit`, `closed_call`) and rematerialised blocks (`checkpoint`) are walked into;
+their sites are found inside them (`Plan.subplans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core as jcore
+
+VIEW_PRIMITIVES = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "copy",
+        "copy_p",
+        "expand_dims",
+    }
+)
+# Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
+PLAIN_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p"})
+ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+REMATS = frozenset({"remat2", "checkpoint", "remat"})
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A parameter leaf (its index among the parameter leaves) after `chain`: the
+    ``(primitive, params)`` of the view operations applied to it, first to last."""
+
+    leaf: int
+    chain: tuple = ()
+
+    def then(self, eqn) -> View:
+        return View(self.leaf, self.chain + ((eqn.primitive, dict(eqn.params)),))
+
+    def apply(self, value):
+        """The view of the leaf's `value`."""
+        for primitive, params in self.chain:
+            value = primitive.bind(value, **params)
+        return value
+
+    def leaf_dims(self, ndim: int):
+        """For a chain of plain views only: the leaf dimension of each view dimension, or None
+        when the chain reshapes or broadcasts."""
+        dims = list(range(ndim))
+        for primitive, params in self.chain:
+            if primitive.name not in PLAIN_PRIMITIVES:
+                return None
+            if primitive.name == "transpose":
+                dims = [dims[i] for i in params["permutation"]]
+        return tuple(dims)
+
+
+@dataclasses.dataclass
+class Site:
+    """An equation that uses parameter views: `views` are ``(operand position, View)``.
+
+    `layout` (dense and embed sites) is ``(h, x, y)``: the leaf dimensions of the per-example
+    gradient's shared (head) dimensions, of the factor built from the recorded operand and of
+    the factor built from the output gradient, as ``sum_k x_k (outer) y_k`` per head."""
+
+    id: int
+    eqn: Any
+    views: tuple
+    kind: str
+    reason: str
+    layout: tuple | None = None
+
+
+@dataclasses.dataclass
+class Plan:
+    """The sites of one jaxpr (by equation index) and the plans of the calls walked into."""
+
+    sites: dict = dataclasses.field(default_factory=dict)
+    subplans: dict = dataclasses.field(default_factory=dict)
+
+    def all_sites(self):
+        yield from self.sites.values()
+        for sub in self.subplans.values():
+            yield from sub.all_sites()
+
+
+def sub_jaxpr(eqn):
+    """The ``(jaxpr, consts)`` of a call or rematerialised block walked into, else None."""
+    name = eqn.primitive.name
+    if name in CALLS and CALLS[name] in eqn.params:
+        inner = eqn.params[CALLS[name]]
+    elif name in REMATS and "jaxpr" in eqn.params:
+        inner = eqn.params["jaxpr"]
+    else:
+        return None
+    if isinstance(inner, jcore.ClosedJaxpr):
+        return inner.jaxpr, inner.consts
+    return inner, ()
+
+
+def _is_float(var) -> bool:
+    return (
+        np.issubdtype(np.dtype(var.aval.dtype), np.inexact) if hasattr(var.aval, "dtype") else False
+    )
+
+
+def analyse(jaxpr, views: dict, ids=None):
+    """The `Plan` of `jaxpr` given the views among its input variables, and the views among
+    its outputs (``{output index: View}``)."""
+    ids = itertools.count() if ids is None else ids
+    views = dict(views)
+    plan = Plan()
+    for index, eqn in enumerate(jaxpr.eqns):
+        used = tuple(
+            (pos, views[v])
+            for pos, v in enumerate(eqn.invars)
+            if isinstance(v, jcore.Var) and v in views
+        )
+        if not used:
+            continue
+        name = eqn.primitive.name
+        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _is_float(eqn.outvars[0]):
+            views[eqn.outvars[0]] = used[0][1].then(eqn)
+            continue
+        inner = sub_jaxpr(eqn)
+        if inner is not None:
+            sub_views = {inner[0].invars[pos]: view for pos, view in used}
+            subplan, out_views = analyse(inner[0], sub_views, ids)
+            if subplan.sites or subplan.subplans:
+                plan.subplans[index] = subplan
+            for i, view in out_views.items():
+                views[eqn.outvars[i]] = view
+            continue
+        plan.sites[index] = _site(next(ids), eqn, used)
+    out_views = {
+        i: views[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jcore.Var) and v in views
+    }
+    return plan, out_views
+
+
+def _site(site_id: int, eqn, used) -> Site:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return _dense(site_id, eqn, used)
+    if name == "gather":
+        return _embed(site_id, eqn, used)
+    if name in ELEMENTWISE:
+        why = (
+            f"elementwise `{name}` (a bias or a scale): per-example gradient of the "
+            "parameter's size"
+        )
+        return Site(site_id, eqn, used, "fallback", why)
+    return Site(site_id, eqn, used, "fallback", f"no closed form for `{name}`")
+
+
+def _fallback(site_id, eqn, used, why: str) -> Site:
+    return Site(site_id, eqn, used, "fallback", f"`{eqn.primitive.name}` {why}")
+
+
+def _dense(site_id: int, eqn, used) -> Site:
+    if len(used) != 1:
+        return _fallback(site_id, eqn, used, "of two parameter views")
+    pos, view = used[0]
+    ndim = len(eqn.invars[pos].aval.shape)
+    dims = view.leaf_dims(ndim)
+    if dims is None:
+        return _fallback(site_id, eqn, used, "of a reshaped or broadcast parameter")
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    contract = tuple(contract_l if pos == 0 else contract_r)
+    batch = tuple(batch_l if pos == 0 else batch_r)
+    free = tuple(d for d in range(ndim) if d not in contract + batch)
+    layout = tuple(tuple(dims[d] for d in group) for group in (batch, contract, free))
+    return Site(site_id, eqn, used, "dense", "dense (`dot_general`): ghost norm", layout)
+
+
+def embed_rows(eqn, pos: int) -> int | None:
+    """The row dimension of an embedding lookup (`gather` of whole rows of a 2-D operand by
+    one index per row, `jnp.take(table, ids, axis=...)`), else None."""
+    numbers = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    out_ndim = len(eqn.outvars[0].aval.shape)
+    if pos != 0 or len(shape) != 2 or numbers.operand_batching_dims:
+        return None
+    if len(numbers.collapsed_slice_dims) != 1:
+        return None
+    row = numbers.collapsed_slice_dims[0]
+    sizes = tuple(eqn.params["slice_sizes"])
+    full = tuple(1 if d == row else shape[d] for d in range(2))
+    indices = eqn.invars[1].aval.shape
+    if (
+        tuple(numbers.start_index_map) != (row,)
+        or sizes != full
+        or not indices
+        or indices[-1] != 1
+        or tuple(numbers.offset_dims) != (out_ndim - 1,)
+    ):
+        return None
+    return row
+
+
+def _embed(site_id: int, eqn, used) -> Site:
+    pos, view = used[0]
+    row = embed_rows(eqn, pos) if len(used) == 1 else None
+    dims = view.leaf_dims(2) if row is not None else None
+    if row is None or dims is None:
+        return _fallback(site_id, eqn, used, "is not a lookup of whole rows of a parameter")
+    layout = ((), (dims[row],), (dims[1 - row],))
+    return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
+
+
+def trace(fun, args, param_mask):
+    """The closed jaxpr of ``fun(*args)``, its output tree, and the `Plan` of its uses of the
+    leaves of `args` where `param_mask` (a list over the flattened `args`) is True."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    views = {}
+    leaf = 0
+    for var, is_param in zip(jaxpr.invars, param_mask, strict=True):
+        if is_param:
+            views[var] = View(leaf)
+            leaf += 1
+    plan, _ = analyse(jaxpr, views)
+    return closed, out_shape, plan

@@ -1,0 +1,119 @@
+"""Small per-example losses built from the layers ghost clipping knows (and some it does not),
+and the float64 reference every `clipped_grad` result is compared with.
+
+Every loss is ``loss(params, x)`` for one example with a leading axis of size 1 (jax_privacy's
+default `keep_batch_dim=True`), written for any float dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _init(rng, shapes, dtype=np.float32, scale=0.5):
+    return {k: jnp.asarray(rng.normal(size=s) * scale, dtype) for k, s in shapes.items()}
+
+
+def mlp(rng, dtype=np.float32, d=5, h=4, batch=6):
+    params = _init(rng, {"w1": (d, h), "b1": (h,), "w2": (h, 3), "b2": (3,)}, dtype)
+
+    def loss(p, x):
+        y = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return jnp.sum(y**2)
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def sequence(rng, dtype=np.float32, t=3, d=4, heads=2, k=3, batch=5):
+    """Dense layers over a sequence, an einsum with a head axis shared with its weight (a
+    `dot_general` batch dimension), LayerNorm's scale and bias, and a nested `jit`."""
+    shapes = {
+        "wq": (heads, d, k),
+        "wo": (heads, k, d),
+        "dense": (d, d),
+        "scale": (d,),
+        "bias": (d,),
+    }
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, x):
+        q = jnp.einsum("btd,hdk->bhtk", x, p["wq"])  # weight with no batch dims
+        y = jnp.einsum("bhtk,hkd->bhtd", jax.nn.relu(q), p["wo"])  # ...and a head batch dim
+        y = jnp.sum(y, axis=1)
+        y = jax.jit(lambda a, w: a @ w)(y, p["dense"])
+        mean = jnp.mean(y, axis=-1, keepdims=True)
+        y = (y - mean) * p["scale"] + p["bias"]
+        return jnp.sum(jnp.sin(y))
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
+def embedding(rng, dtype=np.float32, vocab=7, d=4, t=5, batch=6, tied=False):
+    """An embedding lookup (repeated tokens in each example), a dense layer, and an output
+    projection by the embedding itself (`tied`) or by its own matrix."""
+    shapes = {"embed": (vocab, d), "w": (d, d)}
+    if not tied:
+        shapes["out"] = (vocab, d)
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, ids):
+        h = jnp.tanh(jnp.take(p["embed"], ids, axis=0) @ p["w"])
+        logits = h @ (p["embed"] if tied else p["out"]).T
+        return jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(ids, vocab, dtype=h.dtype))
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids
+
+
+def fallback(rng, dtype=np.float32, d=3, batch=4):
+    """Parameters used by operations with no closed form: ``sin(w) @ x``, ``w ** 2``, and a
+    dense weight also used elementwise (its cross term needs the materialised gradient)."""
+    params = _init(rng, {"w": (d, d), "v": (d, d), "u": (d,)}, dtype)
+
+    def loss(p, x):
+        y = x @ jnp.sin(p["w"]) + x @ p["v"]
+        return jnp.sum(jnp.cos(y)) + 0.1 * jnp.sum(p["w"] ** 2) + jnp.sum(p["v"] * y[0, 0])
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def scanned(rng, dtype=np.float32, layers=3, d=4, t=2, batch=4, remat=False):
+    """Stacked blocks under `lax.scan` (a residual dense layer each), optionally
+    rematerialised."""
+    params = _init(rng, {"w": (layers, d, d), "b": (layers, d), "head": (d,)}, dtype)
+
+    def block(h, wb):
+        w, b = wb
+        return h + jnp.tanh(h @ w + b), None
+
+    def loss(p, x):
+        step = jax.checkpoint(block) if remat else block
+        h, _ = jax.lax.scan(step, x, (p["w"], p["b"]))
+        return jnp.sum(h @ p["head"])
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
+def reference(loss, params, batch, clip, padding=None, argnums=0):
+    """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64), their norms and the
+    sum of the clipped gradients, as NumPy float64."""
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
+        b64 = (
+            jnp.asarray(np.asarray(batch, np.float64))
+            if jnp.issubdtype(batch.dtype, jnp.floating)
+            else jnp.asarray(batch)
+        )
+        grads = jax.vmap(jax.grad(loss, argnums), in_axes=(None, 0))(p64, b64[:, None])
+        grads = jax.tree.map(np.asarray, grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    norms = np.sqrt(sum(np.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in leaves))
+    scales = np.where(norms > clip, clip / np.where(norms > 0, norms, 1), 1.0)
+    if padding is not None:
+        scales = np.where(padding, 0.0, scales)
+    sums = [np.tensordot(scales, g, axes=(0, 0)) for g in leaves]
+    return norms, jax.tree.unflatten(treedef, sums)
