@@ -13,7 +13,6 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend import core as jcore
 
 from optclip.ghost import _trace
@@ -34,7 +33,9 @@ def bind(eqn, invals):
 def float_outputs(eqn):
     """The indices of `eqn`'s floating-point outputs (the ones tapped)."""
     return [
-        j for j, v in enumerate(eqn.outvars) if np.issubdtype(np.dtype(v.aval.dtype), np.inexact)
+        j
+        for j, v in enumerate(eqn.outvars)
+        if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
     ]
 
 

@@ -22,7 +22,7 @@ import itertools
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 from jax.extend import core as jcore
 
 VIEW_PRIMITIVES = frozenset(
@@ -117,9 +117,8 @@ def sub_jaxpr(eqn):
 
 
 def _is_float(var) -> bool:
-    return (
-        np.issubdtype(np.dtype(var.aval.dtype), np.inexact) if hasattr(var.aval, "dtype") else False
-    )
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
 def analyse(jaxpr, views: dict, ids=None):
