@@ -117,3 +117,25 @@ def reference(loss, params, batch, clip, padding=None, argnums=0):
         scales = np.where(padding, 0.0, scales)
     sums = [np.tensordot(scales, g, axes=(0, 0)) for g in leaves]
     return norms, jax.tree.unflatten(treedef, sums)
+
+
+def recurrent(rng, dtype=np.float32, d=3, t=4, batch=4):
+    """A recurrent cell under `lax.scan` (its weights the same at every step), one of them also
+    used outside the scan (cross terms across the steps and the outside use), a nested scan,
+    and a `lax.cond` on a parameter (materialised)."""
+    params = _init(rng, {"w": (d, d), "u": (d, d), "v": (2, d, d), "c": (d,)}, dtype)
+
+    def loss(p, x):
+        def cell(h, xt):
+            def inner(g, v):
+                return jnp.tanh(g @ v), None
+
+            g, _ = jax.lax.scan(inner, h @ p["w"], p["v"])
+            return g + jnp.tanh(xt @ p["u"]), None
+
+        h, _ = jax.lax.scan(cell, jnp.zeros((1, d), x.dtype), jnp.swapaxes(x, 0, 1))
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda a: a * p["c"], lambda a: a - p["c"], h)
+        return jnp.sum(jnp.sin(h @ p["w"]))
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x

@@ -21,6 +21,7 @@ MODELS = {
     "fallback": gm.fallback,
     "scanned": gm.scanned,
     "remat": lambda rng: gm.scanned(rng, remat=True),
+    "recurrent": gm.recurrent,
 }
 
 

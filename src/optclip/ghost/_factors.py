@@ -55,33 +55,36 @@ def normalised(x, acc):
     return x * scale.reshape((-1,) + (1,) * (x.ndim - 1)), exponent.astype(jnp.int32)
 
 
-def dense_factors(record, grad, eqn, pos: int, acc):
+def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
     """The factors ``(x, y)`` and exponent of a `dot_general` whose operand `pos` is the view:
-    `record` is the other operand, `grad` the output gradient (both with the batch axis)."""
+    `record` is the other operand, `grad` the output gradient, both with the batch axis and then
+    one axis per enclosing scan; `sliced` says per scan whether the view is sliced along it
+    (stacked layers: a head axis) or the same at every iteration (its uses are summed)."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     a_contract = tuple(contract_r if pos == 0 else contract_l)
     a_batch = tuple(batch_r if pos == 0 else batch_l)
-    a_ndim = record.ndim - 1
-    a_free = tuple(d for d in range(a_ndim) if d not in a_contract + a_batch)
-    v_ndim = len(eqn.invars[pos].aval.shape)
-    v_free = v_ndim - len(a_contract) - len(a_batch)
+    lead = 1 + len(sliced)  # the batch axis and the scans' axes
+    a_free = tuple(d for d in range(record.ndim - lead) if d not in a_contract + a_batch)
+    v_free = len(eqn.invars[pos].aval.shape) - len(a_contract) - len(a_batch)
     nb = len(a_batch)
-    out_batch = tuple(range(nb))
-    if pos == 1:
-        out_a = tuple(range(nb, nb + len(a_free)))
-        out_v = tuple(range(nb + len(a_free), nb + len(a_free) + v_free))
-    else:
+    out_a = tuple(range(nb, nb + len(a_free)))
+    out_v = tuple(range(nb + len(a_free), nb + len(a_free) + v_free))
+    if pos == 0:
         out_v = tuple(range(nb, nb + v_free))
         out_a = tuple(range(nb + v_free, nb + v_free + len(a_free)))
-    shape = record.shape[1:]
-    heads = math.prod(shape[d] for d in a_batch)
-    k = math.prod(shape[d] for d in a_free)
-    x = jnp.transpose(record, (0, *(1 + d for d in a_batch + a_free + a_contract)))
-    y = jnp.transpose(grad, (0, *(1 + d for d in out_batch + out_a + out_v)))
-    x = x.reshape(x.shape[0], heads, k, -1)
-    y = y.reshape(y.shape[0], heads, k, -1)
-    x, ex = normalised(x, acc)
-    y, ey = normalised(y, acc)
+    heads = tuple(1 + i for i, s in enumerate(sliced) if s)
+    summed = tuple(1 + i for i, s in enumerate(sliced) if not s)
+
+    def arrange(x, batch, free, rest):
+        order = (0, *heads, *(lead + d for d in batch), *summed, *(lead + d for d in free))
+        order = order + tuple(lead + d for d in rest)
+        x = jnp.transpose(x, order)
+        count_h = math.prod(x.shape[1 : 1 + len(heads) + len(batch)])
+        count_k = math.prod(x.shape[1 + len(heads) + len(batch) : -len(rest) or None])
+        return x.reshape(x.shape[0], count_h, count_k, -1)
+
+    x, ex = normalised(arrange(record, a_batch, a_free, a_contract), acc)
+    y, ey = normalised(arrange(grad, tuple(range(nb)), out_a, out_v), acc)
     return Factor(x), Factor(y), ex + ey
 
 

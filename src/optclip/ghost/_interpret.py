@@ -13,6 +13,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.extend import core as jcore
 
 from optclip.ghost import _trace
@@ -44,7 +45,9 @@ def zero_taps(plan):
     taps = {}
     for site in plan.all_sites():
         taps[site.id] = tuple(
-            jnp.zeros(site.eqn.outvars[j].aval.shape, site.eqn.outvars[j].aval.dtype)
+            jnp.zeros(
+                (*site.stack, *site.eqn.outvars[j].aval.shape), site.eqn.outvars[j].aval.dtype
+            )
             for j in float_outputs(site.eqn)
         )
     return taps
@@ -85,8 +88,37 @@ def run(jaxpr, consts, args, plan, taps, records):
     return [read(v) for v in jaxpr.outvars]
 
 
+def _scan(eqn, subplan, invals, taps, records):
+    """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
+    sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
+    params = eqn.params
+    body = params["jaxpr"]
+    consts, carry = params["num_consts"], params["num_carry"]
+    ids = [site.id for site in subplan.all_sites()]
+
+    def step(state, x):
+        xs, step_taps = x
+        step_records: dict = {}
+        args = [*invals[:consts], *state, *xs]
+        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records)
+        return outs[:carry], (outs[carry:], step_records)
+
+    state, (ys, scan_records) = lax.scan(
+        step,
+        invals[consts : consts + carry],
+        (invals[consts + carry :], {i: taps[i] for i in ids}),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    records.update(scan_records)
+    return [*state, *ys]
+
+
 def _call(eqn, subplan, invals, taps, records):
-    """A call or rematerialised block with sites inside, evaluated by `run`."""
+    """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
+    if eqn.primitive.name == "scan":
+        return _scan(eqn, subplan, invals, taps, records)
     jaxpr, consts = _trace.sub_jaxpr(eqn)
     if eqn.primitive.name not in _trace.REMATS:
         return run(jaxpr, consts, invals, subplan, taps, records)

@@ -68,7 +68,9 @@ def _factors_of(site, pos, records, grads, acc):
     record = records[site.id][0]
     grad = grads[site.id][0]
     if site.kind == "dense":
-        return _factors.dense_factors(record, grad, site.eqn, pos, acc)
+        _, levels = site.views[0][1].leaf_dims(len(site.eqn.invars[pos].aval.shape))
+        sliced = tuple(level is not None for level in levels)
+        return _factors.dense_factors(record, grad, site.eqn, pos, acc, sliced)
     row = _trace.embed_rows(site.eqn, pos)
     assert row is not None  # (an embed site is a lookup of rows)
     return _factors.embed_factors(record, grad, site.eqn, row, acc)
@@ -84,14 +86,14 @@ def ghost_terms(leaf_plan, records, grads, acc):
 
 
 def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
-    """Every example's gradient of each parameter leaf `site` uses, from that one equation:
-    ``{leaf index: (B, *leaf.shape)}``."""
+    """Every example's gradient of each parameter leaf `site` uses, from that one equation
+    (at every iteration of the scans it is inside): ``{leaf index: (B, *leaf.shape)}``."""
     positions = [pos for pos, _ in site.views]
-    values = [view.apply(leaves[view.leaf]) for _, view in site.views]
+    values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
     recorded = _interpret.recorded_positions(site)
     outputs = _interpret.float_outputs(site.eqn)
 
-    def one(record, grad):
+    def step(record, grad, *views):  # one example, one iteration: the views' cotangents
         def eqn(*views):
             invals = [None] * len(site.eqn.invars)
             for i, x in zip(recorded, record, strict=True):
@@ -101,12 +103,17 @@ def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
             outs = _interpret.bind(site.eqn, invals)
             return [outs[j] for j in outputs]
 
-        _, pull = jax.vjp(eqn, *values)
-        cotangents = pull(list(grad))
+        _, pull = jax.vjp(eqn, *views)
+        return pull(list(grad))
+
+    for _ in site.stack:
+        step = jax.vmap(step)
+
+    def one(record, grad):
+        cotangents = step(record, grad, *values)
         out: dict = {}
         for (_, view), ct in zip(site.views, cotangents, strict=True):
-            leaf = leaves[view.leaf]
-            (g,) = jax.linear_transpose(view.apply, leaf)(ct)
+            (g,) = jax.linear_transpose(view.stacked, leaves[view.leaf])(ct)
             out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
         return out
 

@@ -18,6 +18,7 @@ their sites are found inside them (`Plan.subplans`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Any
 
@@ -42,6 +43,7 @@ PLAIN_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
 CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 REMATS = frozenset({"remat2", "checkpoint", "remat"})
+SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,22 +57,52 @@ class View:
     def then(self, eqn) -> View:
         return View(self.leaf, self.chain + ((eqn.primitive, dict(eqn.params)),))
 
-    def apply(self, value):
-        """The view of the leaf's `value`."""
+    def enter_scan(self, sliced: bool, length: int) -> View:
+        """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
+        operand) or the whole view at every iteration (a constant)."""
+        return View(self.leaf, self.chain + ((SLICED if sliced else CONSTANT, length),))
+
+    @property
+    def depth(self) -> int:
+        """How many `scan` bodies the view is inside."""
+        return sum(isinstance(p, str) for p, _ in self.chain)
+
+    def stacked(self, value):
+        """The view of the leaf's `value` at every iteration of the scans it is inside:
+        shape ``(*lengths, *view shape)`` (a constant is broadcast along its scan's axis)."""
+        depth = 0
         for primitive, params in self.chain:
-            value = primitive.bind(value, **params)
+            if primitive == SLICED:
+                depth += 1
+            elif primitive == CONSTANT:
+                value = jnp.broadcast_to(
+                    jnp.expand_dims(value, depth),
+                    (*value.shape[:depth], params, *value.shape[depth:]),
+                )
+                depth += 1
+            else:
+                bind = functools.partial(primitive.bind, **params)
+                for _ in range(depth):
+                    bind = jax.vmap(bind)
+                value = bind(value)
         return value
 
     def leaf_dims(self, ndim: int):
-        """For a chain of plain views only: the leaf dimension of each view dimension, or None
-        when the chain reshapes or broadcasts."""
-        dims = list(range(ndim))
+        """For a chain of plain views only: ``(dims, levels)``, the leaf dimension of each of
+        the `ndim` view dimensions, and for each enclosing scan the leaf dimension it slices (or
+        None for a constant); None when the chain reshapes or broadcasts."""
+        dims = list(range(ndim + sum(p == SLICED for p, _ in self.chain)))
+        levels = []
         for primitive, params in self.chain:
-            if primitive.name not in PLAIN_PRIMITIVES:
+            if primitive == SLICED:
+                levels.append(dims.pop(0))
+            elif primitive == CONSTANT:
+                levels.append(None)
+            elif primitive.name not in PLAIN_PRIMITIVES:
                 return None
-            if primitive.name == "transpose":
+            elif primitive.name == "transpose":
                 dims = [dims[i] for i in params["permutation"]]
-        return tuple(dims)
+        return tuple(dims), tuple(levels)
 
 
 @dataclasses.dataclass
@@ -87,6 +119,7 @@ class Site:
     kind: str
     reason: str
     layout: tuple | None = None
+    stack: tuple = ()  # the lengths of the scans it is inside, outermost first
 
 
 @dataclasses.dataclass
@@ -139,6 +172,15 @@ def analyse(jaxpr, views: dict, ids=None):
         if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _is_float(eqn.outvars[0]):
             views[eqn.outvars[0]] = used[0][1].then(eqn)
             continue
+        if name == "scan":
+            subplan = _scan(eqn, used, ids)
+            if subplan is not None:
+                plan.subplans[index] = subplan
+                continue
+            plan.sites[index] = _fallback(
+                next(ids), eqn, used, "carries a parameter or returns a view of one"
+            )
+            continue
         inner = sub_jaxpr(eqn)
         if inner is not None:
             sub_views = {inner[0].invars[pos]: view for pos, view in used}
@@ -153,6 +195,23 @@ def analyse(jaxpr, views: dict, ids=None):
         i: views[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jcore.Var) and v in views
     }
     return plan, out_views
+
+
+def _scan(eqn, used, ids):
+    """The plan of a `scan`'s body (its sites stacked along the scan), or None when a
+    parameter view is carried or returned (its gradient would not pass through a site)."""
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    length = eqn.params["length"]
+    if any(consts <= pos < consts + carry for pos, _ in used):
+        return None
+    inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
+    subplan, out_views = analyse(body, inner, ids)
+    if out_views:
+        return None
+    for site in subplan.all_sites():
+        site.stack = (length, *site.stack)
+    return subplan
 
 
 def _site(site_id: int, eqn, used) -> Site:
@@ -179,14 +238,16 @@ def _dense(site_id: int, eqn, used) -> Site:
         return _fallback(site_id, eqn, used, "of two parameter views")
     pos, view = used[0]
     ndim = len(eqn.invars[pos].aval.shape)
-    dims = view.leaf_dims(ndim)
-    if dims is None:
+    mapped = view.leaf_dims(ndim)
+    if mapped is None:
         return _fallback(site_id, eqn, used, "of a reshaped or broadcast parameter")
+    dims, levels = mapped
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     contract = tuple(contract_l if pos == 0 else contract_r)
     batch = tuple(batch_l if pos == 0 else batch_r)
     free = tuple(d for d in range(ndim) if d not in contract + batch)
-    layout = tuple(tuple(dims[d] for d in group) for group in (batch, contract, free))
+    heads = tuple(d for d in levels if d is not None) + tuple(dims[d] for d in batch)
+    layout = (heads, *(tuple(dims[d] for d in group) for group in (contract, free)))
     return Site(site_id, eqn, used, "dense", "dense (`dot_general`): ghost norm", layout)
 
 
@@ -217,10 +278,13 @@ def embed_rows(eqn, pos: int) -> int | None:
 
 def _embed(site_id: int, eqn, used) -> Site:
     pos, view = used[0]
-    row = embed_rows(eqn, pos) if len(used) == 1 else None
-    dims = view.leaf_dims(2) if row is not None else None
-    if row is None or dims is None:
-        return _fallback(site_id, eqn, used, "is not a lookup of whole rows of a parameter")
+    row = embed_rows(eqn, pos) if len(used) == 1 and not view.depth else None
+    mapped = view.leaf_dims(2) if row is not None else None
+    if row is None or mapped is None:
+        return _fallback(
+            site_id, eqn, used, "is not a lookup of whole rows of a parameter outside a scan"
+        )
+    dims, _ = mapped
     layout = ((), (dims[row],), (dims[1 - row],))
     return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
 
