@@ -139,3 +139,46 @@ def recurrent(rng, dtype=np.float32, d=3, t=4, batch=4):
 
     x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
     return loss, params, x
+
+
+def sliced(rng, dtype=np.float32, d=3, batch=4):
+    """One stacked leaf used through single indices: rows 0 and 1 (orthogonal, no cross
+    term), row 0 twice (a cross term); another through a range (materialised)."""
+    params = _init(rng, {"w": (3, d, d), "r": (4, d)}, dtype)
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["w"][0]) @ p["w"][1]
+        h = jnp.sin(h @ p["w"][0].T)
+        return jnp.sum(h * jnp.sum(p["r"][1:3], axis=0))
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def transformer(rng, dtype=np.float32, d=8, t=4, vocab=9, blocks=2, heads=2, batch=3):
+    """Scanned pre-norm blocks (multi-head attention from a stacked q/k/v weight indexed per
+    use, an MLP, RMSNorm scales) between tied embeddings: the benchmark's model, small."""
+    e = d // heads
+    shapes = {"embed": (vocab, d), "qkv": (blocks, 3, heads, d, e), "o": (blocks, heads, e, d),
+              "up": (blocks, d, 2 * d), "down": (blocks, 2 * d, d), "scale": (blocks, 2, d)}
+    params = _init(rng, shapes, dtype)
+
+    def norm(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+    def block(h, p):
+        qkv, o, up, down, scale = p
+        a = norm(h, scale[0])
+        q, k, v = (jnp.einsum("btd,hde->bhte", a, qkv[i]) for i in range(3))
+        att = jax.nn.softmax(jnp.einsum("bhte,bhse->bhts", q, k), -1)
+        h = h + jnp.einsum("bhte,hed->btd", jnp.einsum("bhts,bhse->bhte", att, v), o)
+        return h + jax.nn.gelu(norm(h, scale[1]) @ up) @ down, None
+
+    def loss(p, ids):
+        h = jnp.take(p["embed"], ids, axis=0)
+        h, _ = jax.lax.scan(block, h, (p["qkv"], p["o"], p["up"], p["down"], p["scale"]))
+        logp = jax.nn.log_softmax(h @ p["embed"].T)
+        return -jnp.sum(jnp.take_along_axis(logp, ids[..., None], -1))
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids

@@ -22,6 +22,8 @@ MODELS = {
     "scanned": gm.scanned,
     "remat": lambda rng: gm.scanned(rng, remat=True),
     "recurrent": gm.recurrent,
+    "sliced": gm.sliced,
+    "transformer": gm.transformer,
 }
 
 

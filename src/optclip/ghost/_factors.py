@@ -160,10 +160,15 @@ def from_norms(norms):
     return exponent, jnp.square(jnp.ldexp(norms, -exponent))
 
 
-def combine(terms):
-    """The norms (shape (B,)) of sums of squared norms given as ``(exponent, value)``."""
+def add_terms(terms):
+    """The sum of squared norms given as ``(exponent, value)``, as ``(exponent, value)``."""
     top = terms[0][0]
     for e, _ in terms[1:]:
         top = jnp.maximum(top, e)
-    total = sum(jnp.ldexp(v, 2 * (e - top)) for e, v in terms)
+    return top, sum(jnp.ldexp(v, 2 * (e - top)) for e, v in terms)
+
+
+def combine(terms):
+    """The norms (shape (B,)) of sums of squared norms given as ``(exponent, value)``."""
+    top, total = add_terms(terms)
     return jnp.ldexp(jnp.sqrt(total), top)

@@ -13,6 +13,7 @@ per-example norm (`_per_example.example_norms`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ class LeafPlan:
     uses: list
     swapped: list
     reason: str
+    groups: list = dataclasses.field(default_factory=list)  # uses whose cross terms count
 
 
 def plan_leaves(sites, count: int):
@@ -48,19 +50,29 @@ def _leaf_plan(uses) -> LeafPlan:
     others = [site for site, _, _ in uses if site.kind == "fallback"]
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
-    first = uses[0][0].layout
-    swapped = []
-    for site, _, _ in uses:
-        if site.layout == first:
-            swapped.append(False)
-        elif site.layout == (first[0], first[2], first[1]):
-            swapped.append(True)
-        else:
-            why = "used by closed-form operations in different layouts (no closed cross term)"
+    groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
+    for i, (site, _, _) in enumerate(uses):
+        groups.setdefault(site.layout[3], []).append(i)
+    for a, b in itertools.combinations(groups, 2):
+        pins = dict(b)
+        if not any(d in pins and pins[d] != i for d, i in a):
+            why = "used through overlapping slices (no closed cross term)"
             return LeafPlan("materialised", uses, [], why)
+    swapped = [False] * len(uses)
+    for members in groups.values():
+        first = uses[members[0]][0].layout
+        for i in members:
+            layout = uses[i][0].layout
+            if layout[:3] == (first[0], first[2], first[1]) and layout[:3] != first[:3]:
+                swapped[i] = True
+            elif layout[:3] != first[:3]:
+                why = "used by closed-form operations in different layouts (no closed cross term)"
+                return LeafPlan("materialised", uses, [], why)
     kinds = sorted({site.kind for site, _, _ in uses})
     why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
-    return LeafPlan("ghost", uses, swapped, why + (" with cross terms" if len(uses) > 1 else ""))
+    if any(len(m) > 1 for m in groups.values()):
+        why += " with cross terms"
+    return LeafPlan("ghost", uses, swapped, why, list(groups.values()))
 
 
 def _factors_of(site, pos, records, grads, acc):
@@ -68,7 +80,7 @@ def _factors_of(site, pos, records, grads, acc):
     record = records[site.id][0]
     grad = grads[site.id][0]
     if site.kind == "dense":
-        _, levels = site.views[0][1].leaf_dims(len(site.eqn.invars[pos].aval.shape))
+        _, levels, _ = site.views[0][1].leaf_dims()
         sliced = tuple(level is not None for level in levels)
         return _factors.dense_factors(record, grad, site.eqn, pos, acc, sliced)
     row = _trace.embed_rows(site.eqn, pos)
@@ -82,7 +94,9 @@ def ghost_terms(leaf_plan, records, grads, acc):
     for (site, pos, _), swap in zip(leaf_plan.uses, leaf_plan.swapped, strict=True):
         x, y, e = _factors_of(site, pos, records, grads, acc)
         uses.append((y, x, e) if swap else (x, y, e))
-    return _factors.leaf_terms(uses, acc)
+    # Uses of different single indices of a dimension are orthogonal: no cross term.
+    terms = [_factors.leaf_terms([uses[i] for i in group], acc) for group in leaf_plan.groups]
+    return _factors.add_terms(terms)
 
 
 def site_gradients(site, leaves, records, grads, spmd_axis_name=None):

@@ -36,6 +36,7 @@ VIEW_PRIMITIVES = frozenset(
         "copy",
         "copy_p",
         "expand_dims",
+        "slice",
     }
 )
 # Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
@@ -52,15 +53,16 @@ class View:
     ``(primitive, params)`` of the view operations applied to it, first to last."""
 
     leaf: int
+    shape: tuple = ()  # the leaf's
     chain: tuple = ()
 
     def then(self, eqn) -> View:
-        return View(self.leaf, self.chain + ((eqn.primitive, dict(eqn.params)),))
+        return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
 
     def enter_scan(self, sliced: bool, length: int) -> View:
         """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
         operand) or the whole view at every iteration (a constant)."""
-        return View(self.leaf, self.chain + ((SLICED if sliced else CONSTANT, length),))
+        return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
 
     @property
     def depth(self) -> int:
@@ -87,31 +89,51 @@ class View:
                 value = bind(value)
         return value
 
-    def leaf_dims(self, ndim: int):
-        """For a chain of plain views only: ``(dims, levels)``, the leaf dimension of each of
-        the `ndim` view dimensions, and for each enclosing scan the leaf dimension it slices (or
-        None for a constant); None when the chain reshapes or broadcasts."""
-        dims = list(range(ndim + sum(p == SLICED for p, _ in self.chain)))
-        levels = []
+    def leaf_dims(self):
+        """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
+        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
+        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
+        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
+        for any other chain (a reshape, a broadcast, a slice of a range)."""
+        dims, shape = list(range(len(self.shape))), list(self.shape)
+        levels, pins = [], {}
         for primitive, params in self.chain:
             if primitive == SLICED:
                 levels.append(dims.pop(0))
+                shape.pop(0)
             elif primitive == CONSTANT:
                 levels.append(None)
-            elif primitive.name not in PLAIN_PRIMITIVES:
-                return None
             elif primitive.name == "transpose":
                 dims = [dims[i] for i in params["permutation"]]
-        return tuple(dims), tuple(levels)
+                shape = [shape[i] for i in params["permutation"]]
+            elif primitive.name == "slice":
+                strides = params["strides"] or (1,) * len(shape)
+                for d, (lo, hi, st) in enumerate(
+                    zip(params["start_indices"], params["limit_indices"], strides, strict=True)
+                ):
+                    if hi - lo == 1 and shape[d] > 1:
+                        pins[dims[d]] = lo
+                        shape[d] = 1
+                    elif (lo, hi, st) != (0, shape[d], 1):
+                        return None
+            elif primitive.name == "squeeze":
+                for d in params["dimensions"]:
+                    pins.setdefault(dims[d], 0)
+                dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
+                shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
+            elif primitive.name not in PLAIN_PRIMITIVES:
+                return None
+        return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
 
 
 @dataclasses.dataclass
 class Site:
     """An equation that uses parameter views: `views` are ``(operand position, View)``.
 
-    `layout` (dense and embed sites) is ``(h, x, y)``: the leaf dimensions of the per-example
-    gradient's shared (head) dimensions, of the factor built from the recorded operand and of
-    the factor built from the output gradient, as ``sum_k x_k (outer) y_k`` per head."""
+    `layout` (dense and embed sites) is ``(h, x, y, pins)``: the leaf dimensions of the
+    per-example gradient's shared (head) dimensions, of the factor built from the recorded
+    operand and of the factor built from the output gradient, as ``sum_k x_k (outer) y_k`` per
+    head, and the single indices the use takes of the other leaf dimensions."""
 
     id: int
     eqn: Any
@@ -238,16 +260,16 @@ def _dense(site_id: int, eqn, used) -> Site:
         return _fallback(site_id, eqn, used, "of two parameter views")
     pos, view = used[0]
     ndim = len(eqn.invars[pos].aval.shape)
-    mapped = view.leaf_dims(ndim)
+    mapped = view.leaf_dims()
     if mapped is None:
-        return _fallback(site_id, eqn, used, "of a reshaped or broadcast parameter")
-    dims, levels = mapped
+        return _fallback(site_id, eqn, used, "of a reshaped, broadcast or sliced parameter")
+    dims, levels, pins = mapped
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     contract = tuple(contract_l if pos == 0 else contract_r)
     batch = tuple(batch_l if pos == 0 else batch_r)
     free = tuple(d for d in range(ndim) if d not in contract + batch)
     heads = tuple(d for d in levels if d is not None) + tuple(dims[d] for d in batch)
-    layout = (heads, *(tuple(dims[d] for d in group) for group in (contract, free)))
+    layout = (heads, *(tuple(dims[d] for d in group) for group in (contract, free)), pins)
     return Site(site_id, eqn, used, "dense", "dense (`dot_general`): ghost norm", layout)
 
 
@@ -279,13 +301,13 @@ def embed_rows(eqn, pos: int) -> int | None:
 def _embed(site_id: int, eqn, used) -> Site:
     pos, view = used[0]
     row = embed_rows(eqn, pos) if len(used) == 1 and not view.depth else None
-    mapped = view.leaf_dims(2) if row is not None else None
-    if row is None or mapped is None:
+    mapped = view.leaf_dims() if row is not None else None
+    if row is None or mapped is None or len(mapped[0]) != 2:
         return _fallback(
             site_id, eqn, used, "is not a lookup of whole rows of a parameter outside a scan"
         )
-    dims, _ = mapped
-    layout = ((), (dims[row],), (dims[1 - row],))
+    dims, _, pins = mapped
+    layout = ((), (dims[row],), (dims[1 - row],), pins)
     return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
 
 
@@ -298,7 +320,7 @@ def trace(fun, args, param_mask):
     leaf = 0
     for var, is_param in zip(jaxpr.invars, param_mask, strict=True):
         if is_param:
-            views[var] = View(leaf)
+            views[var] = View(leaf, tuple(var.aval.shape))
             leaf += 1
     plan, _ = analyse(jaxpr, views)
     return closed, out_shape, plan
