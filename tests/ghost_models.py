@@ -159,8 +159,14 @@ def transformer(rng, dtype=np.float32, d=8, t=4, vocab=9, blocks=2, heads=2, bat
     """Scanned pre-norm blocks (multi-head attention from a stacked q/k/v weight indexed per
     use, an MLP, RMSNorm scales) between tied embeddings: the benchmark's model, small."""
     e = d // heads
-    shapes = {"embed": (vocab, d), "qkv": (blocks, 3, heads, d, e), "o": (blocks, heads, e, d),
-              "up": (blocks, d, 2 * d), "down": (blocks, 2 * d, d), "scale": (blocks, 2, d)}
+    shapes = {
+        "embed": (vocab, d),
+        "qkv": (blocks, 3, heads, d, e),
+        "o": (blocks, heads, e, d),
+        "up": (blocks, d, 2 * d),
+        "down": (blocks, 2 * d, d),
+        "scale": (blocks, 2, d),
+    }
     params = _init(rng, shapes, dtype)
 
     def norm(x, g):

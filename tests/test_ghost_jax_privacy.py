@@ -71,9 +71,20 @@ def test_aux_keys_padding_and_argnums_as_jax_privacy(method):
     rest = {k: v for k, v in params.items() if k != "w1"}
     key = jax.random.key(3)
     theirs, ours = both(
-        noisy, params["w1"], rest, key, x, labels, method=method, argnums=(0, 1),
-        batch_argnums=(3, 4), prng_argnum=2, has_aux=True, return_grad_norms=True,
-        l2_clip_norm=1.0, call_kwargs={"is_padding_example": padding},
+        noisy,
+        params["w1"],
+        rest,
+        key,
+        x,
+        labels,
+        method=method,
+        argnums=(0, 1),
+        batch_argnums=(3, 4),
+        prng_argnum=2,
+        has_aux=True,
+        return_grad_norms=True,
+        l2_clip_norm=1.0,
+        call_kwargs={"is_padding_example": padding},
     )
     assert_same(theirs, ours)
     assert ours[1].aux["first"].shape == (6,)  # the size-1 example axis squeezed, as theirs
@@ -84,8 +95,9 @@ def test_per_user_groups_without_the_batch_dim():
     f = lambda param, data: 0.5 * jnp.mean((data - param) ** 2)  # noqa: E731
     users = jnp.array([[1.0, -1.0], [2.0, 2.0], [0.0, 3.0]])
     for method in ("auto", "vmap"):
-        theirs, ours = both(f, 3.0, users, method=method, l2_clip_norm=jnp.inf,
-                            keep_batch_dim=False)
+        theirs, ours = both(
+            f, 3.0, users, method=method, l2_clip_norm=jnp.inf, keep_batch_dim=False
+        )
         assert_same(theirs, ours)
         assert float(ours) == 5.5
 

@@ -44,6 +44,7 @@ LAYERS = [
     ["ghost._interpret"],  # the per-example loss evaluated with taps at the sites
     ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms
     ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised
+    ["ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)
     ["ghost._passes"],  # the ghost and the vmap passes: norms, weights, clipped sum
     ["ghost._api", "ghost._report"],  # `clipped_grad`; `ghost_report`
     ["__init__"],  # the public names

@@ -116,8 +116,8 @@ def clipped_grad(
     (ghost clipping), the cross terms of a parameter used more than once (tied embeddings)
     included. A parameter used by any other operation (a bias, a scale, ``sin(w)``, a
     ``scan``...) has its per-example gradient materialised, that leaf only, from that operation
-    alone. The clipped sum is then one more backward pass of ``sum_b w_b loss_b`` with the
-    factors held constant. ``method="vmap"`` materialises every per-example gradient
+    alone. The clipped sum comes from the same inputs and output gradients, each example's
+    weighted by its factor (book-keeping: no second backward pass). ``method="vmap"`` materialises every per-example gradient
     (``jax.vmap(jax.grad(...))``) and clips it with :func:`per_example_clip`'s rules (the
     reference). :func:`ghost_report` says which leaves go ghost, and why.
 
@@ -169,12 +169,12 @@ def clipped_grad(
         wrong type.
 
     Examples:
-      >>> import jax.numpy as jnp, optclip
+      >>> import jax.numpy as jnp, numpy as np, optclip
       >>> loss = lambda w, x: 0.5 * jnp.mean((x @ w) ** 2)
       >>> g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
       >>> x = jnp.array([[3.0, 4.0], [0.3, 0.4]])
       >>> grads, aux = g(jnp.array([1.0, 0.0]), x)
-      >>> print(aux.grad_norms, jnp.round(grads, 4))
+      >>> print(aux.grad_norms, np.round(np.float64(grads), 4))
       [15.    0.15] [0.69 0.92]
 
     References:

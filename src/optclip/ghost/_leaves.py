@@ -99,37 +99,46 @@ def ghost_terms(leaf_plan, records, grads, acc):
     return _factors.add_terms(terms)
 
 
-def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
-    """Every example's gradient of each parameter leaf `site` uses, from that one equation
-    (at every iteration of the scans it is inside): ``{leaf index: (B, *leaf.shape)}``."""
+def equation(site):
+    """``f(record, *views)``: `site`'s equation on one example's recorded operands and the
+    views, at every iteration of the scans it is inside (all stacked along leading axes),
+    returning its floating-point outputs."""
     positions = [pos for pos, _ in site.views]
-    values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
     recorded = _interpret.recorded_positions(site)
     outputs = _interpret.float_outputs(site.eqn)
 
-    def step(record, grad, *views):  # one example, one iteration: the views' cotangents
-        def eqn(*views):
-            invals = [None] * len(site.eqn.invars)
-            for i, x in zip(recorded, record, strict=True):
-                invals[i] = x
-            for i, x in zip(positions, views, strict=True):
-                invals[i] = x
-            outs = _interpret.bind(site.eqn, invals)
-            return [outs[j] for j in outputs]
-
-        _, pull = jax.vjp(eqn, *views)
-        return pull(list(grad))
+    def f(record, *views):
+        invals = [None] * len(site.eqn.invars)
+        for i, x in zip(recorded, record, strict=True):
+            invals[i] = x
+        for i, x in zip(positions, views, strict=True):
+            invals[i] = x
+        outs = _interpret.bind(site.eqn, invals)
+        return [outs[j] for j in outputs]
 
     for _ in site.stack:
-        step = jax.vmap(step)
+        f = jax.vmap(f)
+    return f
+
+
+def pull_back(site, leaves, cotangents):
+    """The views' cotangents of `site` carried back to their leaves (summed per leaf)."""
+    out: dict = {}
+    for (_, view), ct in zip(site.views, cotangents, strict=True):
+        (g,) = jax.linear_transpose(view.stacked, leaves[view.leaf])(ct)
+        out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
+    return out
+
+
+def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
+    """Every example's gradient of each parameter leaf `site` uses, from that one equation
+    (at every iteration of the scans it is inside): ``{leaf index: (B, *leaf.shape)}``."""
+    values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
+    f = equation(site)
 
     def one(record, grad):
-        cotangents = step(record, grad, *values)
-        out: dict = {}
-        for (_, view), ct in zip(site.views, cotangents, strict=True):
-            (g,) = jax.linear_transpose(view.stacked, leaves[view.leaf])(ct)
-            out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
-        return out
+        _, pull = jax.vjp(lambda *views: f(record, *views), *values)
+        return pull_back(site, leaves, pull(list(grad)))
 
     return jax.vmap(one, spmd_axis_name=spmd_axis_name)(records[site.id], grads[site.id])
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip import _per_example, _scale
-from optclip.ghost import _factors, _interpret, _leaves, _trace
+from optclip.ghost import _factors, _interpret, _leaves, _sums, _trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,52 +123,30 @@ def tapped_pass(one, flat, tree, params, batched, s: Settings):
     return losses, aux, records, grads, plans, param_leaves
 
 
-def ghost_norms(one, args, kwargs, s: Settings):
-    """Per-example gradient norms without per-example gradients where the uses allow:
-    ``(norms, losses, aux, leaf plans)``."""
+def ghost_pass(one, args, kwargs, padding, s: Settings):
+    """Ghost norms, then the clipped sum by book-keeping (`_sums`): from the same records and
+    output gradients, with no second pass."""
     flat, tree, params, batched = _flat(args, kwargs, s)
     losses, aux, records, grads, plans, leaves = tapped_pass(one, flat, tree, params, batched, s)
     size = losses.shape[0]
     terms = _leaves.leaf_norm_terms(plans, leaves, records, grads, size, s.spmd_axis_name)
-    if terms:
-        norms = _factors.combine(terms)
-    else:
-        norms = jnp.zeros((size,), jnp.float32)
-    return lax.stop_gradient(norms), losses, aux, plans
-
-
-def _donated(args, kwargs, swap, s: Settings):
-    """The batch with each example where `swap` is true replaced by a finite one's inputs (its
-    factor is 0; its own inputs might give 0 * inf = NaN in the backward pass)."""
-    index = jnp.where(swap, jnp.argmax(~swap), jnp.arange(swap.shape[0]))
-    take = lambda x: jnp.take(x, index, axis=0)  # noqa: E731
-    args = tuple(jax.tree.map(take, a) if ax == 0 else a for a, ax in zip(args, s.axes))
-    return args, jax.tree.map(take, kwargs)
-
-
-def ghost_pass(one, args, kwargs, padding, s: Settings):
-    """Ghost norms, then the clipped sum as one more backward pass: the gradient of
-    ``sum_b w_b loss_b`` with the factors ``w_b`` held constant."""
-    norms, losses, aux, _ = ghost_norms(one, args, kwargs, s)
-    w, keep, finite = weights(norms, padding, s)
-    swap = ~keep & ~finite
-    args, kwargs = _donated(args, kwargs, swap, s)
-
-    def weighted(*params):
-        a = list(args)
-        for i, p in zip(s.argnum_tuple, params, strict=True):
-            a[i] = p
-        batch_losses, _ = _vmap(one, (s.axes, 0), s)(tuple(a), kwargs)
-        return jnp.sum(batch_losses.astype(w.dtype) * lax.stop_gradient(w))
-
-    params = [args[i] for i in s.argnum_tuple]
-    grads = jax.grad(weighted, argnums=tuple(range(len(params))))(*params)
-    if isinstance(s.argnums, int):
-        grads = grads[0]
-    # No finite example to stand in: every example is dropped (0) or kept non-finite (NaN).
-    empty = jnp.where(jnp.any(keep), jnp.nan, 0)
-    fill = lambda g: jnp.where(jnp.any(finite), g, empty.astype(g.dtype))  # noqa: E731
-    grads = jax.tree.map(fill, grads)
+    norms = _factors.combine(terms) if terms else jnp.zeros((size,), jnp.float32)
+    w, keep, _ = weights(lax.stop_gradient(norms), padding, s)
+    sums = _sums.clipped_sums(plans, leaves, records, grads, w, keep, s.spmd_axis_name)
     if s.dtype is not None:
-        grads = jax.tree.map(lambda g: g.astype(s.dtype), grads)
-    return grads, norms, losses, aux
+        sums = [g.astype(s.dtype) for g in sums]
+    return _as_grads(sums, args, s), norms, losses, aux
+
+
+def _as_grads(leaves, args, s: Settings):
+    """The differentiated arguments' trees (a tuple of them for a sequence `argnums`) with
+    `leaves` (theirs in positional order)."""
+    trees, start = {}, 0
+    for i in sorted(s.argnum_tuple):
+        treedef = jax.tree.structure(args[i])
+        count = len(jax.tree.leaves(args[i]))
+        trees[i] = jax.tree.unflatten(treedef, leaves[start : start + count])
+        start += count
+    if isinstance(s.argnums, int):
+        return trees[s.argnums]
+    return tuple(trees[i] for i in s.argnum_tuple)

@@ -96,7 +96,8 @@ class View:
         constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
         for any other chain (a reshape, a broadcast, a slice of a range)."""
         dims, shape = list(range(len(self.shape))), list(self.shape)
-        levels, pins = [], {}
+        levels: list[int | None] = []
+        pins: dict[int, int] = {}
         for primitive, params in self.chain:
             if primitive == SLICED:
                 levels.append(dims.pop(0))
