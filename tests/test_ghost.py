@@ -43,8 +43,10 @@ def check_against_reference(loss, params, x, clip, method="auto", mode="jit", **
     return grads, aux
 
 
+# The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
+# steps (nested), stacked blocks with sliced q/k/v (the rest run in the slow tier below).
 @pytest.mark.every_case
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["mlp", "tied", "fallback", "recurrent", "transformer"])
 def test_each_layer_kind_matches_the_float64_reference(name):
     loss, params, x = MODELS[name](np.random.default_rng(0))
     check_against_reference(loss, params, x, 1.0)

@@ -60,8 +60,7 @@ def nnx_case():
     return loss, params, ids
 
 
-@pytest.mark.every_case
-@pytest.mark.parametrize("case", [linen_case, nnx_case])
+@pytest.mark.parametrize("case", [nnx_case, linen_case])
 def test_flax_models_match_the_reference_and_go_ghost(case):
     loss, params, ids = case()
     report = optclip.ghost_report(loss, params, ids)
