@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import run
 
 import optclip
@@ -198,3 +200,77 @@ def test_arguments_are_checked():
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, microbatch_size=2)
     with pytest.raises(ValueError, match="`microbatch_size` \\(2\\) must divide the batch"):
         g(jnp.ones(2), jnp.ones((3, 2)))
+
+
+def random_model(draw_sizes, tied, scanned, magnitude):
+    """A small random model: an embedding (tied to the output or not), dense layers with
+    biases (stacked under a scan or not), LayerNorm-like scale; gradients scaled by
+    `magnitude`."""
+    vocab, d, t, layers, batch, seed = draw_sizes
+    rng = np.random.default_rng(seed)
+    params = {
+        "embed": jnp.asarray(rng.normal(size=(vocab, d)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(layers, d, d)) / np.sqrt(d), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(layers, d)), jnp.float32),
+        "g": jnp.asarray(rng.normal(size=(d,)), jnp.float32),
+    }
+    if not tied:
+        params["out"] = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
+
+    def loss(p, ids):
+        h = jnp.take(p["embed"], ids, axis=0)
+        if scanned:
+            h, _ = jax.lax.scan(
+                lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), h, (p["w"], p["b"])
+            )
+        else:
+            for i in range(layers):
+                h = jnp.tanh(h @ p["w"][i] + p["b"][i])
+        logits = (h * p["g"]) @ (p["embed"].T if tied else p["out"])
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0]) * magnitude
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None)
+@given(
+    sizes=st.tuples(
+        st.integers(2, 9),
+        st.integers(1, 6),
+        st.integers(1, 5),
+        st.integers(1, 3),
+        st.integers(1, 5),
+        st.integers(0, 2**31),
+    ),
+    tied=st.booleans(),
+    scanned=st.booleans(),
+    magnitude=st.sampled_from([1.0, 1e-3, 1e20, 1e-20]),
+    clip=st.sampled_from([0.1, 1.0, 1e30]),
+)
+def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip):
+    loss, params, ids = random_model(sizes, tied, scanned, magnitude)
+    check_against_reference(loss, params, ids, clip * magnitude)
+
+
+@pytest.mark.slow
+def test_a_batch_sharded_over_eight_devices():
+    """`ghost_multidevice.py` in its own process (JAX fixes its device count at start)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(optclip.__file__).parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(here / "ghost_multidevice.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok"), done.stdout
+    assert "mlp/Explicit/spmd_axis_name" in done.stdout

@@ -117,9 +117,11 @@ def clipped_grad(
     included. A parameter used by any other operation (a bias, a scale, ``sin(w)``, a
     ``scan``...) has its per-example gradient materialised, that leaf only, from that operation
     alone. The clipped sum comes from the same inputs and output gradients, each example's
-    weighted by its factor (book-keeping: no second backward pass). ``method="vmap"`` materialises every per-example gradient
-    (``jax.vmap(jax.grad(...))``) and clips it with :func:`per_example_clip`'s rules (the
-    reference). :func:`ghost_report` says which leaves go ghost, and why.
+    weighted by its factor (book-keeping: no second backward pass). ``method="vmap"``
+    materialises every per-example gradient (``jax.vmap(jax.grad(...))``) and clips it with
+    :func:`per_example_clip`'s rules (the reference; like it, it reports 0 for an example whose
+    gradient is entirely below ~1e-19, whose squares all flush). :func:`ghost_report` says
+    which leaves go ghost, and why.
 
     Differences from jax_privacy on purpose: the norm is exact at every magnitude (accumulated
     in float32 for float16/bfloat16 models; an example whose squares overflow float32 is

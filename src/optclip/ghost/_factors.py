@@ -44,6 +44,18 @@ class Factor:
         return (*self.ids.shape, self.size)
 
 
+# The exponent of a zero factor or norm: below every other (a zero must not set the scale that
+# the other terms are expressed in), yet far from int32's limits when a few are added.
+ZERO_EXPONENT = -(2**20)
+
+
+def sum_of_squares(x, acc):
+    """``(exponent, value)`` of each example's sum of squares of `x` (shape ``(B, ...)``),
+    exact at every magnitude (no square overflows or flushes)."""
+    scaled, exponent = normalised(x.reshape(x.shape[0], -1), acc)
+    return exponent, jnp.sum(jnp.square(scaled), axis=1)
+
+
 def normalised(x, acc):
     """`x` in `acc` divided by a power of two near each example's largest magnitude, and the
     exponents (int32, shape (B,)): ``x == result * 2**exponent``."""
@@ -51,6 +63,7 @@ def normalised(x, acc):
     largest = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
     _, exponent = jnp.frexp(largest)
     exponent = jnp.where(jnp.isfinite(largest), exponent, 0)
+    exponent = jnp.where(largest == 0, ZERO_EXPONENT, exponent)
     scale = jnp.ldexp(jnp.ones_like(largest), -exponent)
     return x * scale.reshape((-1,) + (1,) * (x.ndim - 1)), exponent.astype(jnp.int32)
 
@@ -151,13 +164,6 @@ def leaf_terms(uses, acc):
             term = jnp.ldexp(term, ei + ej - 2 * top)
             total = total + term
     return top, jnp.maximum(total, 0)
-
-
-def from_norms(norms):
-    """``(exponent, value)`` of squared norms given as norms."""
-    _, exponent = jnp.frexp(norms)
-    exponent = jnp.where(jnp.isfinite(norms), exponent, 0).astype(jnp.int32)
-    return exponent, jnp.square(jnp.ldexp(norms, -exponent))
 
 
 def add_terms(terms):

@@ -6,8 +6,9 @@ layout (or its transpose: the input and output embeddings of a tied model); its 
 then the sum over every pair of uses (`_factors.leaf_terms`, the cross terms included). Any other
 leaf is *materialised*: each use's per-example gradient is that equation's VJP for that example
 (`jax.vmap` of `jax.vjp` of the one equation, with the example's recorded operands and output
-gradient), pulled back through the view's chain and summed over uses; its norm is optclip's
-per-example norm (`_per_example.example_norms`).
+gradient), pulled back through the view's chain and summed over uses; its squared norm is summed in
+float32 after a power-of-two rescaling per example (`_factors.sum_of_squares`: exact at every
+magnitude, where `_per_example.example_norms` trusts a sum whose squares all flushed).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from optclip import _norm_rules, _per_example
+from optclip import _norm_rules
 from optclip.ghost import _factors, _interpret, _trace
 
 
@@ -167,8 +168,7 @@ def leaf_norm_terms(leaf_plans, leaves, records, grads, batch: int, spmd_axis_na
         if plan.mode == "ghost":
             terms.append(ghost_terms(plan, records, grads, acc))
         elif plan.mode == "materialised":
-            norms = _per_example.example_norms([materialised[i]], per_leaf=False)
-            terms.append(_factors.from_norms(norms.astype(acc)))
+            terms.append(_factors.sum_of_squares(materialised[i], acc))
         else:
             terms.append((jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), acc)))
     return terms

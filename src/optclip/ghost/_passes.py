@@ -88,6 +88,24 @@ def _flat(args, kwargs, s: Settings):
     return flat, tree, params, batched
 
 
+def batch_axis_spec(like):
+    """The mesh axis (or axes) `like`'s leading axis is split over, in JAX's explicit sharding
+    mode; else None."""
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return spec[0] if spec else None
+
+
+def batch_zeros(one, like):
+    """Zeros of `one`'s shape and dtype for every example, split over the mesh like the
+    batch `like` (explicit sharding refuses to `vmap` differently split inputs together)."""
+    shape = (like.shape[0], *one.shape)
+    axis = batch_axis_spec(like)
+    if axis is None:
+        return jnp.zeros(shape, one.dtype)
+    return jnp.zeros(shape, one.dtype, out_sharding=jax.sharding.PartitionSpec(axis))
+
+
 def tapped_pass(one, flat, tree, params, batched, s: Settings):
     """The losses, aux, per-example records and output gradients at every site, and the
     per-leaf plans: one forward pass and one backward pass (to the taps only)."""
@@ -107,8 +125,8 @@ def tapped_pass(one, flat, tree, params, batched, s: Settings):
         outs = _interpret.run(closed.jaxpr, closed.consts, leaves, plan, taps, records)
         return outs, records
 
-    size = next(x.shape[0] for x, b in zip(flat, batched, strict=True) if b)
-    taps = jax.tree.map(lambda z: jnp.zeros((size, *z.shape), z.dtype), _interpret.zero_taps(plan))
+    first = next(x for x, b in zip(flat, batched, strict=True) if b)
+    taps = jax.tree.map(lambda z: batch_zeros(z, first), _interpret.zero_taps(plan))
     axes = [0 if b else None for b in batched]
     mapped = _vmap(single, (axes, 0), s)
 
