@@ -188,3 +188,29 @@ def transformer(rng, dtype=np.float32, d=8, t=4, vocab=9, blocks=2, heads=2, bat
 
     ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
     return loss, params, ids
+
+
+def conv(rng, dtype=np.float32, batch=3):
+    """Flax-like convolutions (NHWC, HWIO): strided with padding, dilated, and a 1-D one with
+    another layout, then a dense head."""
+    shapes = {"k1": (3, 3, 2, 4), "k2": (2, 2, 4, 3), "k3": (2, 3, 3), "head": (3,)}
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jax.lax.conv_general_dilated(x, p["k1"], (2, 1), ((1, 1), (0, 2)), dimension_numbers=dn)
+        h = jax.lax.conv_general_dilated(
+            jnp.tanh(h), p["k2"], (1, 1), "SAME", rhs_dilation=(2, 1), dimension_numbers=dn
+        )
+        seq = jnp.mean(h, axis=1)  # (1, W, 3)
+        out = jax.lax.conv_general_dilated(
+            jnp.transpose(seq, (0, 2, 1)),
+            p["k3"],
+            (1,),
+            "VALID",
+            dimension_numbers=("NCH", "OIH", "NCH"),
+        )
+        return jnp.sum(jnp.sin(out)) + jnp.sum(h @ p["head"])
+
+    x = jnp.asarray(rng.normal(size=(batch, 7, 6, 2)), dtype)
+    return loss, params, x

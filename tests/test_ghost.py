@@ -26,6 +26,7 @@ MODELS = {
     "recurrent": gm.recurrent,
     "sliced": gm.sliced,
     "transformer": gm.transformer,
+    "conv": gm.conv,
 }
 
 
@@ -46,9 +47,9 @@ def check_against_reference(loss, params, x, clip, method="auto", mode="jit", **
 
 
 # The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
-# steps (nested), stacked blocks with sliced q/k/v (the rest run in the slow tier below).
+# steps (nested), stacked blocks with sliced q/k/v, convolutions (all in the slow tier below).
 @pytest.mark.every_case
-@pytest.mark.parametrize("name", ["mlp", "tied", "fallback", "recurrent", "transformer"])
+@pytest.mark.parametrize("name", ["mlp", "tied", "fallback", "recurrent", "transformer", "conv"])
 def test_each_layer_kind_matches_the_float64_reference(name):
     loss, params, x = MODELS[name](np.random.default_rng(0))
     check_against_reference(loss, params, x, 1.0)

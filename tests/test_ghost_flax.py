@@ -1,5 +1,5 @@
-"""`clipped_grad` on Flax models (Linen and NNX): Dense, Embed, LayerNorm, RMSNorm, attention,
-a scanned block; ghost where the layer allows, and equal to the float64 reference."""
+"""`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not), LayerNorm,
+RMSNorm, attention, Conv; ghost where the layer allows, and equal to the float64 reference."""
 
 import ghost_models as gm
 import jax
@@ -21,6 +21,7 @@ class LinenModel(linen.Module):
         h = linen.LayerNorm()(h)
         h = h + linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(h)
         h = linen.RMSNorm()(h)
+        h = h + linen.Conv(D, (3,), padding="CAUSAL")(h)  # over the sequence
         h = jax.nn.gelu(linen.Dense(D)(h))
         return embed.attend(h)  # tied output projection
 

@@ -112,11 +112,13 @@ def clipped_grad(
     arguments, the same outputs, padding examples and keys. With ``method="auto"`` (default)
     the per-example norms ``||g_b||`` are computed without forming ``g_b`` where the loss uses a
     parameter through a dense layer or einsum (``dot_general``, with sequence and head
-    dimensions) or an embedding lookup (``gather``): from each use's input and output gradient
+    dimensions), an embedding lookup (``gather``) or a convolution by its kernel
+    (``conv_general_dilated``, ungrouped): from each use's input and output gradient
     (ghost clipping), the cross terms of a parameter used more than once (tied embeddings)
-    included. A parameter used by any other operation (a bias, a scale, ``sin(w)``, a
-    ``scan``...) has its per-example gradient materialised, that leaf only, from that operation
-    alone. The clipped sum comes from the same inputs and output gradients, each example's
+    included; nested ``jit``, ``checkpoint`` and ``lax.scan`` (stacked layers, weights shared
+    across steps) are seen through. A parameter used by any other operation (a bias, a scale,
+    ``sin(w)``, a ``cond``...) has its per-example gradient materialised, that leaf only, from
+    that operation alone. The clipped sum comes from the same inputs and output gradients, each example's
     weighted by its factor (book-keeping: no second backward pass). ``method="vmap"``
     materialises every per-example gradient (``jax.vmap(jax.grad(...))``) and clips it with
     :func:`per_example_clip`'s rules (the reference; like it, it reports 0 for an example whose

@@ -22,6 +22,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -98,6 +99,36 @@ def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
 
     x, ex = normalised(arrange(record, a_batch, a_free, a_contract), acc)
     y, ey = normalised(arrange(grad, tuple(range(nb)), out_a, out_v), acc)
+    return Factor(x), Factor(y), ex + ey
+
+
+def conv_factors(record, grad, eqn, acc):
+    """The factors of a convolution by the kernel: each output position's input patch (`x`,
+    ``lax.conv_general_dilated_patches``) and output gradient (`y`)."""
+    p = eqn.params
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    kernel = eqn.invars[1].aval.shape
+    window = tuple(kernel[d] for d in rhs_spec[2:])
+
+    def patches(lhs):  # one example: (N, C * prod(window), *out spatial)
+        return lax.conv_general_dilated_patches(
+            jnp.transpose(lhs, lhs_spec),
+            window,
+            p["window_strides"],
+            p["padding"],
+            p["lhs_dilation"],
+            p["rhs_dilation"],
+            precision=HIGHEST,
+        )
+
+    x = jax.vmap(patches)(record.astype(acc))
+    x = jnp.moveaxis(x, 2, -1)  # (B, N, *spatial, features)
+    y = jnp.transpose(grad, (0, *(1 + d for d in out_spec)))
+    y = jnp.moveaxis(y, 2, -1)  # (B, N, *spatial, out features)
+    x = x.reshape(x.shape[0], 1, -1, x.shape[-1])
+    y = y.reshape(y.shape[0], 1, -1, y.shape[-1])
+    x, ex = normalised(x, acc)
+    y, ey = normalised(y, acc)
     return Factor(x), Factor(y), ex + ey
 
 

@@ -49,6 +49,9 @@ def _leaf_plan(uses) -> LeafPlan:
     if not uses:
         return LeafPlan("unused", [], [], "not used by the loss (zero gradient)")
     others = [site for site, _, _ in uses if site.kind == "fallback"]
+    if not others and len(uses) > 1 and any(site.kind == "conv" for site, _, _ in uses):
+        why = "a convolution kernel used more than once (no closed cross term written)"
+        return LeafPlan("materialised", uses, [], why)
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
     groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
@@ -84,6 +87,8 @@ def _factors_of(site, pos, records, grads, acc):
         _, levels, _ = site.views[0][1].leaf_dims()
         sliced = tuple(level is not None for level in levels)
         return _factors.dense_factors(record, grad, site.eqn, pos, acc, sliced)
+    if site.kind == "conv":
+        return _factors.conv_factors(record, grad, site.eqn, acc)
     row = _trace.embed_rows(site.eqn, pos)
     assert row is not None  # (an embed site is a lookup of rows)
     return _factors.embed_factors(record, grad, site.eqn, row, acc)

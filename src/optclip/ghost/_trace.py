@@ -243,6 +243,8 @@ def _site(site_id: int, eqn, used) -> Site:
         return _dense(site_id, eqn, used)
     if name == "gather":
         return _embed(site_id, eqn, used)
+    if name == "conv_general_dilated":
+        return _conv(site_id, eqn, used)
     if name in ELEMENTWISE:
         why = (
             f"elementwise `{name}` (a bias or a scale): per-example gradient of the "
@@ -272,6 +274,19 @@ def _dense(site_id: int, eqn, used) -> Site:
     heads = tuple(d for d in levels if d is not None) + tuple(dims[d] for d in batch)
     layout = (heads, *(tuple(dims[d] for d in group) for group in (contract, free)), pins)
     return Site(site_id, eqn, used, "dense", "dense (`dot_general`): ghost norm", layout)
+
+
+def _conv(site_id: int, eqn, used) -> Site:
+    """A convolution by a kernel view: ghost from the input's patches (its norm does not
+    depend on how the kernel's elements are ordered, so any plain view will do; a second use
+    of the leaf has no closed cross term written, so the layout is the site's own)."""
+    pos, view = used[0]
+    plain = view.leaf_dims() is not None and not view.depth
+    groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+    if len(used) != 1 or pos != 1 or not plain or groups != (1, 1):
+        return _fallback(site_id, eqn, used, "other than by one kernel, ungrouped, outside scans")
+    layout = ((), ("conv", site_id), (), ())
+    return Site(site_id, eqn, used, "conv", "convolution: ghost norm from patches", layout)
 
 
 def embed_rows(eqn, pos: int) -> int | None:
