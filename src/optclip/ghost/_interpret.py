@@ -53,6 +53,11 @@ def zero_taps(plan):
     return taps
 
 
+def site_records(site, records):
+    """`site`'s recorded operands, from the records of the tapped pass."""
+    return [records[key] for key in site.records]
+
+
 def recorded_positions(site):
     """The operand positions of `site` that are recorded (every one but the views)."""
     views = {pos for pos, _ in site.views}
@@ -61,7 +66,7 @@ def recorded_positions(site):
 
 def run(jaxpr, consts, args, plan, taps, records):
     """Evaluates `jaxpr` on `args` with the taps of `plan`'s sites, filling `records`
-    (``{site id: list of recorded operands}``). Returns the outputs."""
+    (``{record key: recorded operand}``, see `site_records`). Returns the outputs."""
     env: dict = {}
 
     def read(v):
@@ -79,7 +84,8 @@ def run(jaxpr, consts, args, plan, taps, records):
             outs = bind(eqn, invals)
             site = plan.sites.get(index)
             if site is not None:
-                records[site.id] = [invals[i] for i in recorded_positions(site)]
+                for key, i in zip(site.records, recorded_positions(site), strict=True):
+                    records[key] = invals[i]
                 for tap, j in zip(taps[site.id], float_outputs(eqn), strict=True):
                     outs[j] = outs[j] + tap
         for v, x in zip(eqn.outvars, outs, strict=True):

@@ -81,7 +81,7 @@ def _leaf_plan(uses) -> LeafPlan:
 
 def _factors_of(site, pos, records, grads, acc):
     """A dense or embed use's factors ``(x, y, exponent)``."""
-    record = records[site.id][0]
+    record = _interpret.site_records(site, records)[0]
     grad = grads[site.id][0]
     if site.kind == "dense":
         _, levels, _ = site.views[0][1].leaf_dims()
@@ -146,7 +146,8 @@ def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
         _, pull = jax.vjp(lambda *views: f(record, *views), *values)
         return pull_back(site, leaves, pull(list(grad)))
 
-    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(records[site.id], grads[site.id])
+    record = _interpret.site_records(site, records)
+    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(record, grads[site.id])
 
 
 def materialised_gradients(leaf_plans, leaves, records, grads, spmd_axis_name=None):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from optclip.ghost import _leaves
+from optclip.ghost import _interpret, _leaves
 
 
 def _weighted(g, w, keep):
@@ -36,7 +36,7 @@ def _kept(x, keep):
 def site_sum(site, leaves, records, grads, w, keep, spmd_axis_name=None):
     """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone."""
     values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
-    record = [_kept(x, keep) for x in records[site.id]]
+    record = [_kept(x, keep) for x in _interpret.site_records(site, records)]
     cotangent = [_weighted(g, w, keep) for g in grads[site.id]]
     f = _leaves.equation(site)
     batched = jax.vmap(

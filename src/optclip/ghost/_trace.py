@@ -143,6 +143,7 @@ class Site:
     reason: str
     layout: tuple | None = None
     stack: tuple = ()  # the lengths of the scans it is inside, outermost first
+    records: tuple = ()  # the keys of its recorded operands (shared by sites that record one)
 
 
 @dataclasses.dataclass
@@ -183,6 +184,7 @@ def analyse(jaxpr, views: dict, ids=None):
     ids = itertools.count() if ids is None else ids
     views = dict(views)
     plan = Plan()
+    keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
     for index, eqn in enumerate(jaxpr.eqns):
         used = tuple(
             (pos, views[v])
@@ -213,7 +215,12 @@ def analyse(jaxpr, views: dict, ids=None):
             for i, view in out_views.items():
                 views[eqn.outvars[i]] = view
             continue
-        plan.sites[index] = _site(next(ids), eqn, used)
+        site = plan.sites[index] = _site(next(ids), eqn, used)
+        site.records = tuple(
+            keys.setdefault(v, next(ids)) if isinstance(v, jcore.Var) else next(ids)
+            for i, v in enumerate(eqn.invars)
+            if i not in {pos for pos, _ in used}
+        )
     out_views = {
         i: views[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jcore.Var) and v in views
     }
