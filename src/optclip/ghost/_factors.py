@@ -64,8 +64,8 @@ def normalised(x, acc):
     largest = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
     _, exponent = jnp.frexp(largest)
     exponent = jnp.where(jnp.isfinite(largest), exponent, 0)
-    exponent = jnp.where(largest == 0, ZERO_EXPONENT, exponent)
     scale = jnp.ldexp(jnp.ones_like(largest), -exponent)
+    exponent = jnp.where(largest == 0, ZERO_EXPONENT, exponent)  # (after the scale: 1 there)
     return x * scale.reshape((-1,) + (1,) * (x.ndim - 1)), exponent.astype(jnp.int32)
 
 
