@@ -3,10 +3,9 @@
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,16 @@ from jax import lax
 from optclip import _checks
 from optclip.ghost import _args, _passes
 
-# jax_privacy's name for it (its repr, `Aux(...)`, is the same).
-AuxiliaryOutput = collections.namedtuple("Aux", ["values", "grad_norms", "aux"])  # type: ignore[name-match]
+
+class AuxiliaryOutput(NamedTuple):
+    """The per-example outputs of a :func:`clipped_grad` function, as jax_privacy's
+    ``AuxiliaryOutput``: the fields not asked for are None."""
+
+    values: Any  # each example's loss, shape (B,) (with ``return_values=True``)
+    grad_norms: Any  # each example's gradient norm before clipping, shape (B,), float32
+    aux: Any  # the aux output of `fun`, per example (with ``has_aux=True``)
+
+
 RELATIONS = {"ADD_OR_REMOVE_ONE": 1.0, "REPLACE_ONE": 2.0, "REPLACE_SPECIAL": 1.0}
 
 
@@ -160,7 +167,7 @@ def clipped_grad(
       split into examples too; examples flagged in `is_padding_example` (a (B,) bool array)
       contribute exactly zero. It returns the clipped sum (the structure of the `argnums`
       arguments), or with `has_aux`, `return_values` or `return_grad_norms` the pair
-      ``(grads, Aux(values, grad_norms, aux))`` with the fields not asked for set to None.
+      ``(grads, AuxiliaryOutput(values, grad_norms, aux))``, the fields not asked for None.
       ``g.sensitivity()`` is ``c / nu`` (1 / nu with `rescale_to_unit_norm`), twice that for
       replace-one.
 

@@ -51,8 +51,8 @@ def ghost_report(
     Args:
       fun, argnums, batch_argnums, has_aux, keep_batch_dim, prng_argnum: as for
         :func:`clipped_grad`.
-      *args, **kwargs: the arguments the clipped function would be called with (the batch
-        arguments with their batch axis; only shapes and dtypes are used).
+      args, kwargs: the positional and keyword arguments the clipped function would be called
+        with (the batch arguments with their batch axis; only shapes and dtypes are used).
 
     Returns:
       A dict-like ``{leaf path: LeafReport(mode, operations, reason)}``, printed one line per
