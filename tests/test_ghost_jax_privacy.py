@@ -46,6 +46,8 @@ CASES = {
     "zero clip": {"l2_clip_norm": 0.0},
     "microbatches": {"microbatch_size": 2, "return_grad_norms": True},
     "dtype": {"dtype": jnp.float32},
+    # a per-example transform needs the per-example gradients: "auto" runs as "vmap"
+    "transform": {"pre_clipping_transform": lambda g: jax.tree.map(lambda x: 3 * x, g)},
 }
 
 
