@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import run
 
@@ -37,11 +37,16 @@ def assert_tree_close(actual, expected, rtol=RTOL):
         np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)
 
 
-def check_against_reference(loss, params, x, clip, method="auto", mode="jit", **kwargs):
+def check_against_reference(
+    loss, params, x, clip, method="auto", mode="jit", norm_floor=0.0, **kwargs
+):
+    """`clipped_grad`'s norms and sum against the float64 reference: norms within `RTOL` of
+    each (plus `norm_floor` times the largest), the sum within `RTOL` of its largest entry."""
     g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
     grads, aux = run(g, mode)(params, x, **kwargs)
     norms, sums = gm.reference(loss, params, x, clip, kwargs.get("is_padding_example"))
-    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    atol = norm_floor * np.max(norms)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL, atol=atol)
     assert_tree_close(grads, sums)
     return grads, aux
 
@@ -253,9 +258,13 @@ def random_model(draw_sizes, tied, scanned, magnitude):
     magnitude=st.sampled_from([1.0, 1e-3, 1e20, 1e-20]),
     clip=st.sampled_from([0.1, 1.0, 1e30]),
 )
+@example(sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1)
+@example(sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1)
 def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip):
     loss, params, ids = random_model(sizes, tied, scanned, magnitude)
-    check_against_reference(loss, params, ids, clip * magnitude)
+    # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
+    # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
+    check_against_reference(loss, params, ids, clip * magnitude, norm_floor=1e-6)
 
 
 @pytest.mark.slow
