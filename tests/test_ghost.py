@@ -287,3 +287,21 @@ def test_a_batch_sharded_over_eight_devices():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok"), done.stdout
     assert "mlp/Explicit/spmd_axis_name" in done.stdout
+
+
+def test_static_python_arguments_stay_python():
+    # As under `jax.vmap`: a Python flag neither differentiated nor batched stays a Python
+    # value (the loss branches on it); a Python float parameter is differentiated.
+    loss, params, x = gm.mlp(np.random.default_rng(9))
+
+    def flagged(p, x, training, scale):
+        return loss(p, x) * (scale if training else 0.0)
+
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(flagged, l2_clip_norm=1.0, method=method)
+        grads = jax.jit(g, static_argnums=2)(params, x, True, 2.0)
+        _, sums = gm.reference(lambda p, x: flagged(p, x, True, 2.0), params, x, 1.0)
+        assert_tree_close(grads, sums)
+    f = lambda w, data: 0.5 * jnp.mean((data - w) ** 2)  # noqa: E731  (jax_privacy's example)
+    assert float(optclip.clipped_grad(f, l2_clip_norm=jnp.inf)(3.0, jnp.array([0, 7, -2]))) == 4
+    assert optclip.ghost_report(flagged, params, x, True, 2.0)["['w1']"].mode == "ghost"

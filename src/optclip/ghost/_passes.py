@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from optclip import _per_example, _scale
@@ -72,9 +73,21 @@ def vmap_pass(one, args, kwargs, padding, s: Settings):
     return jax.tree.unflatten(treedef, sums), norms, losses, aux
 
 
-def _flat(args, kwargs, s: Settings):
-    """The leaves of ``(args, kwargs)`` as arrays, their tree, and per leaf: is it a parameter,
-    is it batched."""
+@dataclasses.dataclass
+class Flat:
+    """The leaves of ``(args, kwargs)`` the loss is traced with (`leaves`, arrays), per leaf
+    whether it is a parameter and whether it is batched, and `rebuild`, which gives
+    ``(args, kwargs)`` back from such leaves with the static ones (Python numbers and bools
+    that are neither differentiated nor batched, left as they are: as `jax.vmap` does, so that
+    ``if flag:`` in the loss works) put back."""
+
+    leaves: list
+    params: list
+    batched: list
+    rebuild: Any
+
+
+def flatten(args, kwargs, s: Settings) -> Flat:
     flat, tree = jax.tree.flatten((args, kwargs))
     params, batched = [], []
     for i, arg in enumerate(args):
@@ -84,8 +97,30 @@ def _flat(args, kwargs, s: Settings):
     count = len(jax.tree.leaves(kwargs))
     params += [False] * count
     batched += [True] * count
-    flat = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in flat]
-    return flat, tree, params, batched
+    array = (jax.Array, np.ndarray, np.generic)
+    static = [not (p or b or isinstance(x, array)) for x, p, b in zip(flat, params, batched)]
+
+    def rebuild(leaves):
+        leaves = iter(leaves)
+        full = [x if st else next(leaves) for x, st in zip(flat, static, strict=True)]
+        return jax.tree.unflatten(tree, full)
+
+    keep = [i for i, st in enumerate(static) if not st]
+    leaves = [flat[i] if isinstance(flat[i], jax.Array) else jnp.asarray(flat[i]) for i in keep]
+    return Flat(leaves, [params[i] for i in keep], [batched[i] for i in keep], rebuild)
+
+
+def trace(one, flat: Flat):
+    """The closed jaxpr of one example's loss, its output shapes and its `_trace.Plan`."""
+    single = [
+        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
+        for x, b in zip(flat.leaves, flat.batched, strict=True)
+    ]
+
+    def flat_one(*leaves):
+        return one(*flat.rebuild(leaves))
+
+    return _trace.trace(flat_one, single, flat.params)
 
 
 def batch_axis_spec(like):
@@ -106,37 +141,28 @@ def batch_zeros(one, like):
     return jnp.zeros(shape, one.dtype, out_sharding=jax.sharding.PartitionSpec(axis))
 
 
-def tapped_pass(one, flat, tree, params, batched, s: Settings):
+def tapped_pass(one, flat: Flat, s: Settings):
     """The losses, aux, per-example records and output gradients at every site, and the
     per-leaf plans: one forward pass and one backward pass (to the taps only)."""
-    single_args = [
-        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
-        for x, b in zip(flat, batched, strict=True)
-    ]
-
-    def flat_one(*leaves):
-        a, kw = jax.tree.unflatten(tree, leaves)
-        return one(a, kw)
-
-    closed, out_shape, plan = _trace.trace(flat_one, single_args, params)
+    closed, out_shape, plan = trace(one, flat)
 
     def single(leaves, taps):
         records: dict = {}
         outs = _interpret.run(closed.jaxpr, closed.consts, leaves, plan, taps, records)
         return outs, records
 
-    first = next(x for x, b in zip(flat, batched, strict=True) if b)
+    first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
     taps = jax.tree.map(lambda z: batch_zeros(z, first), _interpret.zero_taps(plan))
-    axes = [0 if b else None for b in batched]
+    axes = [0 if b else None for b in flat.batched]
     mapped = _vmap(single, (axes, 0), s)
 
     def total(taps):
-        outs, records = mapped(flat, taps)
+        outs, records = mapped(flat.leaves, taps)
         return jnp.sum(outs[0]), (outs, records)
 
     grads, (outs, records) = jax.grad(total, has_aux=True)(taps)
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-    param_leaves = [x for x, p in zip(flat, params, strict=True) if p]
+    param_leaves = [x for x, p in zip(flat.leaves, flat.params, strict=True) if p]
     plans = _leaves.plan_leaves(list(plan.all_sites()), len(param_leaves))
     return losses, aux, records, grads, plans, param_leaves
 
@@ -144,8 +170,7 @@ def tapped_pass(one, flat, tree, params, batched, s: Settings):
 def ghost_pass(one, args, kwargs, padding, s: Settings):
     """Ghost norms, then the clipped sum by book-keeping (`_sums`): from the same records and
     output gradients, with no second pass."""
-    flat, tree, params, batched = _flat(args, kwargs, s)
-    losses, aux, records, grads, plans, leaves = tapped_pass(one, flat, tree, params, batched, s)
+    losses, aux, records, grads, plans, leaves = tapped_pass(one, flatten(args, kwargs, s), s)
     size = losses.shape[0]
     terms = _leaves.leaf_norm_terms(plans, leaves, records, grads, size, s.spmd_axis_name)
     norms = _factors.combine(terms) if terms else jnp.zeros((size,), jnp.float32)

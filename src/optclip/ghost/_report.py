@@ -8,7 +8,7 @@ import dataclasses
 import jax
 
 from optclip import _checks
-from optclip.ghost import _args, _leaves, _passes, _trace
+from optclip.ghost import _args, _leaves, _passes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,18 +86,9 @@ def ghost_report(
         None,
     )
     one = _args.per_example(fun, has_aux, batch, keep_batch_dim)
-    flat, tree, params, batched = _passes._flat(args, kwargs, s)
-    single = [
-        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
-        for x, b in zip(flat, batched, strict=True)
-    ]
-
-    def flat_one(*leaves):
-        a, kw = jax.tree.unflatten(tree, leaves)
-        return one(a, kw)
-
-    _, _, plan = _trace.trace(flat_one, single, params)
-    plans = _leaves.plan_leaves(list(plan.all_sites()), sum(params))
+    flat = _passes.flatten(args, kwargs, s)
+    _, _, plan = _passes.trace(one, flat)
+    plans = _leaves.plan_leaves(list(plan.all_sites()), sum(flat.params))
     if isinstance(argnums, int):
         paths = _paths(args[argnums])
     else:
