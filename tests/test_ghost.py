@@ -30,24 +30,27 @@ MODELS = {
 }
 
 
-def assert_tree_close(actual, expected, rtol=RTOL):
+def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
+    """Every leaf within `rtol` of its largest entry (of the whole tree's, with `whole`)."""
+    largest = max(np.max(np.abs(e)) for e in jax.tree.leaves(expected))
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         a = np.asarray(a, np.float64)
-        scale = max(np.max(np.abs(e)), 1e-30)
+        scale = max(largest if whole else np.max(np.abs(e)), 1e-30)
         np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)
 
 
 def check_against_reference(
-    loss, params, x, clip, method="auto", mode="jit", norm_floor=0.0, **kwargs
+    loss, params, x, clip, method="auto", mode="jit", norm_floor=0.0, whole=False, **kwargs
 ):
     """`clipped_grad`'s norms and sum against the float64 reference: norms within `RTOL` of
-    each (plus `norm_floor` times the largest), the sum within `RTOL` of its largest entry."""
+    each (plus `norm_floor` times the largest), the sum's leaves within `RTOL` of their
+    largest entry (of the whole sum's, with `whole`)."""
     g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
     grads, aux = run(g, mode)(params, x, **kwargs)
     norms, sums = gm.reference(loss, params, x, clip, kwargs.get("is_padding_example"))
     atol = norm_floor * np.max(norms)
     np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL, atol=atol)
-    assert_tree_close(grads, sums)
+    assert_tree_close(grads, sums, whole=whole)
     return grads, aux
 
 
@@ -260,11 +263,14 @@ def random_model(draw_sizes, tied, scanned, magnitude):
 )
 @example(sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1)
 @example(sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1)
+@example(sizes=(6, 2, 1, 1, 1, 345533), tied=False, scanned=False, magnitude=1.0, clip=0.1)
 def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip):
     loss, params, ids = random_model(sizes, tied, scanned, magnitude)
     # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
     # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
-    check_against_reference(loss, params, ids, clip * magnitude, norm_floor=1e-6)
+    # A small leaf of a random model may carry the float32 model's own rounding (1.3e-5 of an
+    # embedding's largest entry, 160x below the sum's; the same with method="vmap").
+    check_against_reference(loss, params, ids, clip * magnitude, norm_floor=1e-6, whole=True)
 
 
 @pytest.mark.slow
