@@ -44,6 +44,12 @@ from optclip._transforms import norm_clip as norm_clip
 from optclip._transforms import value_clip as value_clip
 from optclip._zclip import ZClipState as ZClipState
 from optclip._zclip import zclip as zclip
+from optclip.ghost._api import AuxiliaryOutput as AuxiliaryOutput
+from optclip.ghost._api import ClippedGradFn as ClippedGradFn
+from optclip.ghost._api import clipped_grad as clipped_grad
+from optclip.ghost._report import GhostReport as GhostReport
+from optclip.ghost._report import LeafReport as LeafReport
+from optclip.ghost._report import ghost_report as ghost_report
 
 __version__ = "0.1.0"
 
@@ -52,12 +58,16 @@ __all__ = [
     "AccumulationState",
     "AdaGCState",
     "AutoClipState",
+    "AuxiliaryOutput",
     "AxisNameError",
+    "ClippedGradFn",
     "ClippedState",
     "DynamicLossScale",
+    "GhostReport",
     "GlobalClipState",
     "GroupNorms",
     "GuardedState",
+    "LeafReport",
     "LossScaleState",
     "NonFiniteNormError",
     "ScheduleState",
@@ -75,7 +85,9 @@ __all__ = [
     "clip_by_global_norm",
     "clip_by_norm",
     "clip_by_value",
+    "clipped_grad",
     "clipped",
+    "ghost_report",
     "global_clip",
     "global_norm",
     "guarded",

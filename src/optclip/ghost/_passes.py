@@ -1,0 +1,195 @@
+"""The two ways `clipped_grad` computes a batch: ghost (``method="auto"``) and materialised
+(``method="vmap"``). Each returns ``(clipped sum, per-example norms, losses, aux)``.
+
+Both clip with optclip's scale (`_scale.clip_scale`: exact at any magnitude, 1 at a zero
+gradient). An example is *kept* unless it is padding, or (with `nan_safe`) its norm is not
+finite; a dropped example contributes exactly zero, a kept non-finite one makes the sum NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from optclip import _per_example, _scale
+from optclip.ghost import _factors, _interpret, _leaves, _sums, _trace
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What `clipped_grad` was asked for, checked."""
+
+    argnums: Any
+    argnum_tuple: tuple
+    axes: tuple
+    l2_clip_norm: Any
+    rescale_to_unit_norm: bool
+    nan_safe: bool
+    dtype: Any
+    pre_clipping_transform: Any
+    spmd_axis_name: Any
+
+
+def weights(norms, padding, s: Settings):
+    """Each example's factor in the clipped sum (0 for a dropped example) and which examples
+    are kept."""
+    threshold = _scale.threshold_as(s.l2_clip_norm, norms.dtype)
+    scale = _scale.clip_scale(norms, threshold)
+    if s.rescale_to_unit_norm:
+        unit = jnp.where(norms > 0, 1 / jnp.where(norms > 0, norms, 1), 0)
+        scale = jnp.where(threshold > 0, scale / jnp.where(threshold > 0, threshold, 1), unit)
+    finite = jnp.isfinite(norms)
+    keep = ~padding & (finite | (not s.nan_safe))
+    return jnp.where(keep, scale, 0), keep, finite
+
+
+def _vmap(fun, in_axes, s: Settings):
+    return jax.vmap(fun, in_axes=in_axes, spmd_axis_name=s.spmd_axis_name)
+
+
+def vmap_pass(one, args, kwargs, padding, s: Settings):
+    """Per-example gradients materialised (`jax.vmap` of `jax.grad`), clipped and summed by
+    `_per_example` (the reference)."""
+
+    def value_and_grad(*a):
+        return jax.value_and_grad(lambda *p: one(p, a[-1]), argnums=s.argnums, has_aux=True)(
+            *a[:-1]
+        )
+
+    (losses, aux), grads = _vmap(value_and_grad, (*s.axes, 0), s)(*args, kwargs)
+    if s.pre_clipping_transform is not None:
+        grads = _vmap(s.pre_clipping_transform, 0, s)(grads)
+    if s.dtype is not None:
+        grads = jax.tree.map(lambda g: g.astype(s.dtype), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    norms = _per_example.example_norms(leaves, per_leaf=False)
+    w, keep, _ = weights(norms, padding, s)
+    sums = _per_example._sums(leaves, lambda i: w, keep, "zero")
+    return jax.tree.unflatten(treedef, sums), norms, losses, aux
+
+
+@dataclasses.dataclass
+class Flat:
+    """The leaves of ``(args, kwargs)`` the loss is traced with (`leaves`, arrays), per leaf
+    whether it is a parameter and whether it is batched, and `rebuild`, which gives
+    ``(args, kwargs)`` back from such leaves with the static ones (Python numbers and bools
+    that are neither differentiated nor batched, left as they are: as `jax.vmap` does, so that
+    ``if flag:`` in the loss works) put back."""
+
+    leaves: list
+    params: list
+    batched: list
+    rebuild: Any
+
+
+def flatten(args, kwargs, s: Settings) -> Flat:
+    flat, tree = jax.tree.flatten((args, kwargs))
+    params, batched = [], []
+    for i, arg in enumerate(args):
+        count = len(jax.tree.leaves(arg))
+        params += [i in s.argnum_tuple] * count
+        batched += [s.axes[i] == 0] * count
+    count = len(jax.tree.leaves(kwargs))
+    params += [False] * count
+    batched += [True] * count
+    array = (jax.Array, np.ndarray, np.generic)
+    static = [not (p or b or isinstance(x, array)) for x, p, b in zip(flat, params, batched)]
+
+    def rebuild(leaves):
+        leaves = iter(leaves)
+        full = [x if st else next(leaves) for x, st in zip(flat, static, strict=True)]
+        return jax.tree.unflatten(tree, full)
+
+    keep = [i for i, st in enumerate(static) if not st]
+    leaves = [flat[i] if isinstance(flat[i], jax.Array) else jnp.asarray(flat[i]) for i in keep]
+    return Flat(leaves, [params[i] for i in keep], [batched[i] for i in keep], rebuild)
+
+
+def trace(one, flat: Flat):
+    """The closed jaxpr of one example's loss, its output shapes and its `_trace.Plan`."""
+    single = [
+        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
+        for x, b in zip(flat.leaves, flat.batched, strict=True)
+    ]
+
+    def flat_one(*leaves):
+        return one(*flat.rebuild(leaves))
+
+    return _trace.trace(flat_one, single, flat.params)
+
+
+def batch_axis_spec(like):
+    """The mesh axis (or axes) `like`'s leading axis is split over, in JAX's explicit sharding
+    mode; else None."""
+    sharding = getattr(jax.typeof(like), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return spec[0] if spec else None
+
+
+def batch_zeros(one, like):
+    """Zeros of `one`'s shape and dtype for every example, split over the mesh like the
+    batch `like` (explicit sharding refuses to `vmap` differently split inputs together)."""
+    shape = (like.shape[0], *one.shape)
+    axis = batch_axis_spec(like)
+    if axis is None:
+        return jnp.zeros(shape, one.dtype)
+    return jnp.zeros(shape, one.dtype, out_sharding=jax.sharding.PartitionSpec(axis))
+
+
+def tapped_pass(one, flat: Flat, s: Settings):
+    """The losses, aux, per-example records and output gradients at every site, and the
+    per-leaf plans: one forward pass and one backward pass (to the taps only)."""
+    closed, out_shape, plan = trace(one, flat)
+
+    def single(leaves, taps):
+        records: dict = {}
+        outs = _interpret.run(closed.jaxpr, closed.consts, leaves, plan, taps, records)
+        return outs, records
+
+    first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
+    taps = jax.tree.map(lambda z: batch_zeros(z, first), _interpret.zero_taps(plan))
+    axes = [0 if b else None for b in flat.batched]
+    mapped = _vmap(single, (axes, 0), s)
+
+    def total(taps):
+        outs, records = mapped(flat.leaves, taps)
+        return jnp.sum(outs[0]), (outs, records)
+
+    grads, (outs, records) = jax.grad(total, has_aux=True)(taps)
+    losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+    param_leaves = [x for x, p in zip(flat.leaves, flat.params, strict=True) if p]
+    plans = _leaves.plan_leaves(list(plan.all_sites()), len(param_leaves))
+    return losses, aux, records, grads, plans, param_leaves
+
+
+def ghost_pass(one, args, kwargs, padding, s: Settings):
+    """Ghost norms, then the clipped sum by book-keeping (`_sums`): from the same records and
+    output gradients, with no second pass."""
+    losses, aux, records, grads, plans, leaves = tapped_pass(one, flatten(args, kwargs, s), s)
+    size = losses.shape[0]
+    terms = _leaves.leaf_norm_terms(plans, leaves, records, grads, size, s.spmd_axis_name)
+    norms = _factors.combine(terms) if terms else jnp.zeros((size,), jnp.float32)
+    w, keep, _ = weights(lax.stop_gradient(norms), padding, s)
+    sums = _sums.clipped_sums(plans, leaves, records, grads, w, keep, s.spmd_axis_name)
+    if s.dtype is not None:
+        sums = [g.astype(s.dtype) for g in sums]
+    return _as_grads(sums, args, s), norms, losses, aux
+
+
+def _as_grads(leaves, args, s: Settings):
+    """The differentiated arguments' trees (a tuple of them for a sequence `argnums`) with
+    `leaves` (theirs in positional order)."""
+    trees, start = {}, 0
+    for i in sorted(s.argnum_tuple):
+        treedef = jax.tree.structure(args[i])
+        count = len(jax.tree.leaves(args[i]))
+        trees[i] = jax.tree.unflatten(treedef, leaves[start : start + count])
+        start += count
+    if isinstance(s.argnums, int):
+        return trees[s.argnums]
+    return tuple(trees[i] for i in s.argnum_tuple)

@@ -1,0 +1,349 @@
+"""Where the parameters are used: a static walk of the per-example loss's jaxpr.
+
+A *view* of a parameter leaf is the leaf after linear, shape-only operations (a dtype
+conversion, reshape, transpose, broadcast, squeeze, copy), kept as the chain of those operations
+so that a gradient can be pulled back through them. Every other equation with a view among its
+operands is a *site*: its output gets a tap, its other operands are recorded, and its
+per-example gradient (or only that gradient's norm) is computed from them. A site is
+
+* ``"dense"``: `dot_general` with one view operand reached through dtype conversions and
+  transposes (dense layers, einsums with sequence and head dimensions);
+* ``"embed"``: `gather` of rows of a 2-D view (an embedding lookup);
+* ``"fallback"``: anything else (its per-example gradient is materialised, for that use only).
+
+Calls (nested `jit`, `closed_call`) and rematerialised blocks (`checkpoint`) are walked into;
+their sites are found inside them (`Plan.subplans`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+VIEW_PRIMITIVES = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "copy",
+        "copy_p",
+        "expand_dims",
+        "slice",
+    }
+)
+# Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
+PLAIN_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p"})
+ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
+CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+REMATS = frozenset({"remat2", "checkpoint", "remat"})
+SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A parameter leaf (its index among the parameter leaves) after `chain`: the
+    ``(primitive, params)`` of the view operations applied to it, first to last."""
+
+    leaf: int
+    shape: tuple = ()  # the leaf's
+    chain: tuple = ()
+
+    def then(self, eqn) -> View:
+        return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
+
+    def enter_scan(self, sliced: bool, length: int) -> View:
+        """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
+        operand) or the whole view at every iteration (a constant)."""
+        return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
+
+    @property
+    def depth(self) -> int:
+        """How many `scan` bodies the view is inside."""
+        return sum(isinstance(p, str) for p, _ in self.chain)
+
+    def stacked(self, value):
+        """The view of the leaf's `value` at every iteration of the scans it is inside:
+        shape ``(*lengths, *view shape)`` (a constant is broadcast along its scan's axis)."""
+        depth = 0
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                depth += 1
+            elif primitive == CONSTANT:
+                value = jnp.broadcast_to(
+                    jnp.expand_dims(value, depth),
+                    (*value.shape[:depth], params, *value.shape[depth:]),
+                )
+                depth += 1
+            else:
+                bind = functools.partial(primitive.bind, **params)
+                for _ in range(depth):
+                    bind = jax.vmap(bind)
+                value = bind(value)
+        return value
+
+    def leaf_dims(self):
+        """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
+        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
+        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
+        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
+        for any other chain (a reshape, a broadcast, a slice of a range)."""
+        dims, shape = list(range(len(self.shape))), list(self.shape)
+        levels: list[int | None] = []
+        pins: dict[int, int] = {}
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                levels.append(dims.pop(0))
+                shape.pop(0)
+            elif primitive == CONSTANT:
+                levels.append(None)
+            elif primitive.name == "transpose":
+                dims = [dims[i] for i in params["permutation"]]
+                shape = [shape[i] for i in params["permutation"]]
+            elif primitive.name == "slice":
+                strides = params["strides"] or (1,) * len(shape)
+                for d, (lo, hi, st) in enumerate(
+                    zip(params["start_indices"], params["limit_indices"], strides, strict=True)
+                ):
+                    if hi - lo == 1 and shape[d] > 1:
+                        pins[dims[d]] = lo
+                        shape[d] = 1
+                    elif (lo, hi, st) != (0, shape[d], 1):
+                        return None
+            elif primitive.name == "squeeze":
+                for d in params["dimensions"]:
+                    pins.setdefault(dims[d], 0)
+                dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
+                shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
+            elif primitive.name not in PLAIN_PRIMITIVES:
+                return None
+        return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
+
+
+@dataclasses.dataclass
+class Site:
+    """An equation that uses parameter views: `views` are ``(operand position, View)``.
+
+    `layout` (dense and embed sites) is ``(h, x, y, pins)``: the leaf dimensions of the
+    per-example gradient's shared (head) dimensions, of the factor built from the recorded
+    operand and of the factor built from the output gradient, as ``sum_k x_k (outer) y_k`` per
+    head, and the single indices the use takes of the other leaf dimensions."""
+
+    id: int
+    eqn: Any
+    views: tuple
+    kind: str
+    reason: str
+    layout: tuple | None = None
+    stack: tuple = ()  # the lengths of the scans it is inside, outermost first
+    records: tuple = ()  # the keys of its recorded operands (shared by sites that record one)
+
+
+@dataclasses.dataclass
+class Plan:
+    """The sites of one jaxpr (by equation index) and the plans of the calls walked into."""
+
+    sites: dict = dataclasses.field(default_factory=dict)
+    subplans: dict = dataclasses.field(default_factory=dict)
+
+    def all_sites(self):
+        yield from self.sites.values()
+        for sub in self.subplans.values():
+            yield from sub.all_sites()
+
+
+def sub_jaxpr(eqn):
+    """The ``(jaxpr, consts)`` of a call or rematerialised block walked into, else None."""
+    name = eqn.primitive.name
+    if name in CALLS and CALLS[name] in eqn.params:
+        inner = eqn.params[CALLS[name]]
+    elif name in REMATS and "jaxpr" in eqn.params:
+        inner = eqn.params["jaxpr"]
+    else:
+        return None
+    if isinstance(inner, jcore.ClosedJaxpr):
+        return inner.jaxpr, inner.consts
+    return inner, ()
+
+
+def _is_float(var) -> bool:
+    dtype = getattr(var.aval, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def analyse(jaxpr, views: dict, ids=None):
+    """The `Plan` of `jaxpr` given the views among its input variables, and the views among
+    its outputs (``{output index: View}``)."""
+    ids = itertools.count() if ids is None else ids
+    views = dict(views)
+    plan = Plan()
+    keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
+    for index, eqn in enumerate(jaxpr.eqns):
+        used = tuple(
+            (pos, views[v])
+            for pos, v in enumerate(eqn.invars)
+            if isinstance(v, jcore.Var) and v in views
+        )
+        if not used:
+            continue
+        name = eqn.primitive.name
+        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _is_float(eqn.outvars[0]):
+            views[eqn.outvars[0]] = used[0][1].then(eqn)
+            continue
+        if name == "scan":
+            subplan = _scan(eqn, used, ids)
+            if subplan is not None:
+                plan.subplans[index] = subplan
+                continue
+            plan.sites[index] = _fallback(
+                next(ids), eqn, used, "carries a parameter or returns a view of one"
+            )
+            continue
+        inner = sub_jaxpr(eqn)
+        if inner is not None:
+            sub_views = {inner[0].invars[pos]: view for pos, view in used}
+            subplan, out_views = analyse(inner[0], sub_views, ids)
+            if subplan.sites or subplan.subplans:
+                plan.subplans[index] = subplan
+            for i, view in out_views.items():
+                views[eqn.outvars[i]] = view
+            continue
+        site = plan.sites[index] = _site(next(ids), eqn, used)
+        site.records = tuple(
+            keys.setdefault(v, next(ids)) if isinstance(v, jcore.Var) else next(ids)
+            for i, v in enumerate(eqn.invars)
+            if i not in {pos for pos, _ in used}
+        )
+    out_views = {
+        i: views[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jcore.Var) and v in views
+    }
+    return plan, out_views
+
+
+def _scan(eqn, used, ids):
+    """The plan of a `scan`'s body (its sites stacked along the scan), or None when a
+    parameter view is carried or returned (its gradient would not pass through a site)."""
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    length = eqn.params["length"]
+    if any(consts <= pos < consts + carry for pos, _ in used):
+        return None
+    inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
+    subplan, out_views = analyse(body, inner, ids)
+    if out_views:
+        return None
+    for site in subplan.all_sites():
+        site.stack = (length, *site.stack)
+    return subplan
+
+
+def _site(site_id: int, eqn, used) -> Site:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        return _dense(site_id, eqn, used)
+    if name == "gather":
+        return _embed(site_id, eqn, used)
+    if name == "conv_general_dilated":
+        return _conv(site_id, eqn, used)
+    if name in ELEMENTWISE:
+        why = (
+            f"elementwise `{name}` (a bias or a scale): per-example gradient of the "
+            "parameter's size"
+        )
+        return Site(site_id, eqn, used, "fallback", why)
+    return Site(site_id, eqn, used, "fallback", f"no closed form for `{name}`")
+
+
+def _fallback(site_id, eqn, used, why: str) -> Site:
+    return Site(site_id, eqn, used, "fallback", f"`{eqn.primitive.name}` {why}")
+
+
+def _dense(site_id: int, eqn, used) -> Site:
+    if len(used) != 1:
+        return _fallback(site_id, eqn, used, "of two parameter views")
+    pos, view = used[0]
+    ndim = len(eqn.invars[pos].aval.shape)
+    mapped = view.leaf_dims()
+    if mapped is None:
+        return _fallback(site_id, eqn, used, "of a reshaped, broadcast or sliced parameter")
+    dims, levels, pins = mapped
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    contract = tuple(contract_l if pos == 0 else contract_r)
+    batch = tuple(batch_l if pos == 0 else batch_r)
+    free = tuple(d for d in range(ndim) if d not in contract + batch)
+    heads = tuple(d for d in levels if d is not None) + tuple(dims[d] for d in batch)
+    layout = (heads, *(tuple(dims[d] for d in group) for group in (contract, free)), pins)
+    return Site(site_id, eqn, used, "dense", "dense (`dot_general`): ghost norm", layout)
+
+
+def _conv(site_id: int, eqn, used) -> Site:
+    """A convolution by a kernel view: ghost from the input's patches (its norm does not
+    depend on how the kernel's elements are ordered, so any plain view will do; a second use
+    of the leaf has no closed cross term written, so the layout is the site's own)."""
+    pos, view = used[0]
+    plain = view.leaf_dims() is not None and not view.depth
+    groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
+    if len(used) != 1 or pos != 1 or not plain or groups != (1, 1):
+        return _fallback(site_id, eqn, used, "other than by one kernel, ungrouped, outside scans")
+    layout = ((), ("conv", site_id), (), ())
+    return Site(site_id, eqn, used, "conv", "convolution: ghost norm from patches", layout)
+
+
+def embed_rows(eqn, pos: int) -> int | None:
+    """The row dimension of an embedding lookup (`gather` of whole rows of a 2-D operand by
+    one index per row, `jnp.take(table, ids, axis=...)`), else None."""
+    numbers = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    out_ndim = len(eqn.outvars[0].aval.shape)
+    if pos != 0 or len(shape) != 2 or numbers.operand_batching_dims:
+        return None
+    if len(numbers.collapsed_slice_dims) != 1:
+        return None
+    row = numbers.collapsed_slice_dims[0]
+    sizes = tuple(eqn.params["slice_sizes"])
+    full = tuple(1 if d == row else shape[d] for d in range(2))
+    indices = eqn.invars[1].aval.shape
+    if (
+        tuple(numbers.start_index_map) != (row,)
+        or sizes != full
+        or not indices
+        or indices[-1] != 1
+        or tuple(numbers.offset_dims) != (out_ndim - 1,)
+    ):
+        return None
+    return row
+
+
+def _embed(site_id: int, eqn, used) -> Site:
+    pos, view = used[0]
+    row = embed_rows(eqn, pos) if len(used) == 1 and not view.depth else None
+    mapped = view.leaf_dims() if row is not None else None
+    if row is None or mapped is None or len(mapped[0]) != 2:
+        return _fallback(
+            site_id, eqn, used, "is not a lookup of whole rows of a parameter outside a scan"
+        )
+    dims, _, pins = mapped
+    layout = ((), (dims[row],), (dims[1 - row],), pins)
+    return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
+
+
+def trace(fun, args, param_mask):
+    """The closed jaxpr of ``fun(*args)``, its output tree, and the `Plan` of its uses of the
+    leaves of `args` where `param_mask` (a list over the flattened `args`) is True."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
+    jaxpr = closed.jaxpr
+    views = {}
+    leaf = 0
+    for var, is_param in zip(jaxpr.invars, param_mask, strict=True):
+        if is_param:
+            views[var] = View(leaf, tuple(var.aval.shape))
+            leaf += 1
+    plan, _ = analyse(jaxpr, views)
+    return closed, out_shape, plan

@@ -1,0 +1,216 @@
+"""Small per-example losses built from the layers ghost clipping knows (and some it does not),
+and the float64 reference every `clipped_grad` result is compared with.
+
+Every loss is ``loss(params, x)`` for one example with a leading axis of size 1 (jax_privacy's
+default `keep_batch_dim=True`), written for any float dtype.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _init(rng, shapes, dtype=np.float32, scale=0.5):
+    return {k: jnp.asarray(rng.normal(size=s) * scale, dtype) for k, s in shapes.items()}
+
+
+def mlp(rng, dtype=np.float32, d=5, h=4, batch=6):
+    params = _init(rng, {"w1": (d, h), "b1": (h,), "w2": (h, 3), "b2": (3,)}, dtype)
+
+    def loss(p, x):
+        y = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+        return jnp.sum(y**2)
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def sequence(rng, dtype=np.float32, t=3, d=4, heads=2, k=3, batch=5):
+    """Dense layers over a sequence, an einsum with a head axis shared with its weight (a
+    `dot_general` batch dimension), LayerNorm's scale and bias, and a nested `jit`."""
+    shapes = {
+        "wq": (heads, d, k),
+        "wo": (heads, k, d),
+        "dense": (d, d),
+        "scale": (d,),
+        "bias": (d,),
+    }
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, x):
+        q = jnp.einsum("btd,hdk->bhtk", x, p["wq"])  # weight with no batch dims
+        y = jnp.einsum("bhtk,hkd->bhtd", jax.nn.relu(q), p["wo"])  # ...and a head batch dim
+        y = jnp.sum(y, axis=1)
+        y = jax.jit(lambda a, w: a @ w)(y, p["dense"])
+        mean = jnp.mean(y, axis=-1, keepdims=True)
+        y = (y - mean) * p["scale"] + p["bias"]
+        return jnp.sum(jnp.sin(y))
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
+def embedding(rng, dtype=np.float32, vocab=7, d=4, t=5, batch=6, tied=False):
+    """An embedding lookup (repeated tokens in each example), a dense layer, and an output
+    projection by the embedding itself (`tied`) or by its own matrix."""
+    shapes = {"embed": (vocab, d), "w": (d, d)}
+    if not tied:
+        shapes["out"] = (vocab, d)
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, ids):
+        h = jnp.tanh(jnp.take(p["embed"], ids, axis=0) @ p["w"])
+        logits = h @ (p["embed"] if tied else p["out"]).T
+        return jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(ids, vocab, dtype=h.dtype))
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids
+
+
+def fallback(rng, dtype=np.float32, d=3, batch=4):
+    """Parameters used by operations with no closed form: ``sin(w) @ x``, ``w ** 2``, and a
+    dense weight also used elementwise (its cross term needs the materialised gradient)."""
+    params = _init(rng, {"w": (d, d), "v": (d, d), "u": (d,)}, dtype)
+
+    def loss(p, x):
+        y = x @ jnp.sin(p["w"]) + x @ p["v"]
+        return jnp.sum(jnp.cos(y)) + 0.1 * jnp.sum(p["w"] ** 2) + jnp.sum(p["v"] * y[0, 0])
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def scanned(rng, dtype=np.float32, layers=3, d=4, t=2, batch=4, remat=False):
+    """Stacked blocks under `lax.scan` (a residual dense layer each), optionally
+    rematerialised."""
+    params = _init(rng, {"w": (layers, d, d), "b": (layers, d), "head": (d,)}, dtype)
+
+    def block(h, wb):
+        w, b = wb
+        return h + jnp.tanh(h @ w + b), None
+
+    def loss(p, x):
+        step = jax.checkpoint(block) if remat else block
+        h, _ = jax.lax.scan(step, x, (p["w"], p["b"]))
+        return jnp.sum(h @ p["head"])
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
+def reference(loss, params, batch, clip, padding=None, argnums=0):
+    """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64), their norms and the
+    sum of the clipped gradients, as NumPy float64."""
+    with jax.enable_x64(True):
+        p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
+        b64 = (
+            jnp.asarray(np.asarray(batch, np.float64))
+            if jnp.issubdtype(batch.dtype, jnp.floating)
+            else jnp.asarray(batch)
+        )
+        grads = jax.vmap(jax.grad(loss, argnums), in_axes=(None, 0))(p64, b64[:, None])
+        grads = jax.tree.map(np.asarray, grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    norms = np.sqrt(sum(np.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in leaves))
+    scales = np.where(norms > clip, clip / np.where(norms > 0, norms, 1), 1.0)
+    if padding is not None:
+        scales = np.where(padding, 0.0, scales)
+    sums = [np.tensordot(scales, g, axes=(0, 0)) for g in leaves]
+    return norms, jax.tree.unflatten(treedef, sums)
+
+
+def recurrent(rng, dtype=np.float32, d=3, t=4, batch=4):
+    """A recurrent cell under `lax.scan` (its weights the same at every step), one of them also
+    used outside the scan (cross terms across the steps and the outside use), a nested scan,
+    and a `lax.cond` on a parameter (materialised)."""
+    params = _init(rng, {"w": (d, d), "u": (d, d), "v": (2, d, d), "c": (d,)}, dtype)
+
+    def loss(p, x):
+        def cell(h, xt):
+            def inner(g, v):
+                return jnp.tanh(g @ v), None
+
+            g, _ = jax.lax.scan(inner, h @ p["w"], p["v"])
+            return g + jnp.tanh(xt @ p["u"]), None
+
+        h, _ = jax.lax.scan(cell, jnp.zeros((1, d), x.dtype), jnp.swapaxes(x, 0, 1))
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda a: a * p["c"], lambda a: a - p["c"], h)
+        return jnp.sum(jnp.sin(h @ p["w"]))
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
+def sliced(rng, dtype=np.float32, d=3, batch=4):
+    """One stacked leaf used through single indices: rows 0 and 1 (orthogonal, no cross
+    term), row 0 twice (a cross term); another through a range (materialised)."""
+    params = _init(rng, {"w": (3, d, d), "r": (4, d)}, dtype)
+
+    def loss(p, x):
+        h = jnp.tanh(x @ p["w"][0]) @ p["w"][1]
+        h = jnp.sin(h @ p["w"][0].T)
+        return jnp.sum(h * jnp.sum(p["r"][1:3], axis=0))
+
+    x = jnp.asarray(rng.normal(size=(batch, d)), dtype)
+    return loss, params, x
+
+
+def transformer(rng, dtype=np.float32, d=8, t=4, vocab=9, blocks=2, heads=2, batch=3):
+    """Scanned pre-norm blocks (multi-head attention from a stacked q/k/v weight indexed per
+    use, an MLP, RMSNorm scales) between tied embeddings: the benchmark's model, small."""
+    e = d // heads
+    shapes = {
+        "embed": (vocab, d),
+        "qkv": (blocks, 3, heads, d, e),
+        "o": (blocks, heads, e, d),
+        "up": (blocks, d, 2 * d),
+        "down": (blocks, 2 * d, d),
+        "scale": (blocks, 2, d),
+    }
+    params = _init(rng, shapes, dtype)
+
+    def norm(x, g):
+        return x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6) * g
+
+    def block(h, p):
+        qkv, o, up, down, scale = p
+        a = norm(h, scale[0])
+        q, k, v = (jnp.einsum("btd,hde->bhte", a, qkv[i]) for i in range(3))
+        att = jax.nn.softmax(jnp.einsum("bhte,bhse->bhts", q, k), -1)
+        h = h + jnp.einsum("bhte,hed->btd", jnp.einsum("bhts,bhse->bhte", att, v), o)
+        return h + jax.nn.gelu(norm(h, scale[1]) @ up) @ down, None
+
+    def loss(p, ids):
+        h = jnp.take(p["embed"], ids, axis=0)
+        h, _ = jax.lax.scan(block, h, (p["qkv"], p["o"], p["up"], p["down"], p["scale"]))
+        logp = jax.nn.log_softmax(h @ p["embed"].T)
+        return -jnp.sum(jnp.take_along_axis(logp, ids[..., None], -1))
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids
+
+
+def conv(rng, dtype=np.float32, batch=3):
+    """Flax-like convolutions (NHWC, HWIO): strided with padding, dilated, and a 1-D one with
+    another layout, then a dense head."""
+    shapes = {"k1": (3, 3, 2, 4), "k2": (2, 2, 4, 3), "k3": (2, 3, 3), "head": (3,)}
+    params = _init(rng, shapes, dtype)
+
+    def loss(p, x):
+        dn = ("NHWC", "HWIO", "NHWC")
+        h = jax.lax.conv_general_dilated(x, p["k1"], (2, 1), ((1, 1), (0, 2)), dimension_numbers=dn)
+        h = jax.lax.conv_general_dilated(
+            jnp.tanh(h), p["k2"], (1, 1), "SAME", rhs_dilation=(2, 1), dimension_numbers=dn
+        )
+        seq = jnp.mean(h, axis=1)  # (1, W, 3)
+        out = jax.lax.conv_general_dilated(
+            jnp.transpose(seq, (0, 2, 1)),
+            p["k3"],
+            (1,),
+            "VALID",
+            dimension_numbers=("NCH", "OIH", "NCH"),
+        )
+        return jnp.sum(jnp.sin(out)) + jnp.sum(h @ p["head"])
+
+    x = jnp.asarray(rng.normal(size=(batch, 7, 6, 2)), dtype)
+    return loss, params, x

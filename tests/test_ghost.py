@@ -1,0 +1,313 @@
+"""`clipped_grad` (ghost clipping): per-example norms and clipped sums against a float64
+reference built from materialised per-example gradients, for every layer kind, the fallback,
+tied parameters and scanned blocks; padding, zero and non-finite examples; low precision;
+what goes ghost; and the arguments' checks."""
+
+import ghost_models as gm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+from reference import run
+
+import optclip
+
+RTOL = 1e-5  # float32 rounding of a norm or a clipped sum, relative to the largest entry
+MODELS = {
+    "mlp": gm.mlp,
+    "sequence": gm.sequence,
+    "embedding": gm.embedding,
+    "tied": lambda rng: gm.embedding(rng, tied=True),
+    "fallback": gm.fallback,
+    "scanned": gm.scanned,
+    "remat": lambda rng: gm.scanned(rng, remat=True),
+    "recurrent": gm.recurrent,
+    "sliced": gm.sliced,
+    "transformer": gm.transformer,
+    "conv": gm.conv,
+}
+
+
+def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
+    """Every leaf within `rtol` of its largest entry (of the whole tree's, with `whole`)."""
+    largest = max(np.max(np.abs(e)) for e in jax.tree.leaves(expected))
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a = np.asarray(a, np.float64)
+        scale = max(largest if whole else np.max(np.abs(e)), 1e-30)
+        np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)
+
+
+def check_against_reference(
+    loss, params, x, clip, method="auto", mode="jit", norm_floor=0.0, whole=False, **kwargs
+):
+    """`clipped_grad`'s norms and sum against the float64 reference: norms within `RTOL` of
+    each (plus `norm_floor` times the largest), the sum's leaves within `RTOL` of their
+    largest entry (of the whole sum's, with `whole`)."""
+    g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
+    grads, aux = run(g, mode)(params, x, **kwargs)
+    norms, sums = gm.reference(loss, params, x, clip, kwargs.get("is_padding_example"))
+    atol = norm_floor * np.max(norms)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL, atol=atol)
+    assert_tree_close(grads, sums, whole=whole)
+    return grads, aux
+
+
+# The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
+# steps (nested), stacked blocks with sliced q/k/v, convolutions (all in the slow tier below).
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", ["mlp", "tied", "fallback", "recurrent", "transformer", "conv"])
+def test_each_layer_kind_matches_the_float64_reference(name):
+    loss, params, x = MODELS[name](np.random.default_rng(0))
+    check_against_reference(loss, params, x, 1.0)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+@pytest.mark.parametrize("clip", [0.3, 1e6, 0.0])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_every_model_method_and_threshold(name, clip, method, mode):
+    loss, params, x = MODELS[name](np.random.default_rng(1))
+    check_against_reference(loss, params, x, clip, method, mode)
+
+
+@pytest.mark.parametrize("magnitude", [1e22, 1e-24])
+def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
+    # Dense layers and an embedding, whose closed forms multiply four factors: output
+    # gradients of that magnitude, then layer inputs of that magnitude.
+    loss, params, ids = gm.embedding(np.random.default_rng(2))
+    scaled = lambda p, i: loss(p, i) * magnitude  # noqa: E731
+    check_against_reference(scaled, params, ids, 1.0)
+    _, params, x = gm.mlp(np.random.default_rng(2))
+    linear = lambda p, x: jnp.sum(jnp.sin(x @ p["w1"] * (1 / magnitude)) @ p["w2"])  # noqa: E731
+    check_against_reference(linear, params, x * magnitude, 1.0)
+
+
+def test_zero_gradient_gives_no_nan():
+    loss, params, x = gm.mlp(np.random.default_rng(3))
+    linear = lambda p, x: jnp.sum(x @ p["w1"])  # noqa: E731
+    x = x.at[1].set(0.0)
+    grads, aux = check_against_reference(linear, params, x, 1.0)
+    assert aux.grad_norms[1] == 0
+    zero = jnp.zeros_like(x)
+    grads, aux = optclip.clipped_grad(linear, l2_clip_norm=1.0, return_grad_norms=True)(
+        params, zero
+    )
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+    assert np.all(np.asarray(aux.grad_norms) == 0)
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+def test_padding_examples_contribute_exactly_zero(method):
+    loss, params, x = gm.embedding(np.random.default_rng(4))
+    padding = jnp.array([False, True, False, False, True, False])
+    g = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=0.5, method=method))
+    grads = g(params, x, is_padding_example=padding)
+    other = x.at[1].set(0).at[4].set(3)  # other data in the padding slots: the same bits
+    again = g(params, other, is_padding_example=padding)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, sums = gm.reference(loss, params, x, 0.5, np.asarray(padding))
+    assert_tree_close(grads, sums)
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+def test_a_nonfinite_example_is_dropped_or_propagated(method):
+    loss, params, x = gm.mlp(np.random.default_rng(5))
+    bad = x.at[2, 0].set(jnp.inf)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, method=method, return_grad_norms=True)
+    grads, aux = jax.jit(g)(params, bad)
+    assert not np.isfinite(aux.grad_norms[2])
+    keep = np.arange(x.shape[0]) != 2
+    _, sums = gm.reference(loss, params, x, 1.0, ~keep)
+    assert_tree_close(grads, sums)
+    unsafe = optclip.clipped_grad(loss, l2_clip_norm=1.0, method=method, nan_safe=False)
+    assert all(np.all(np.isnan(g)) for g in jax.tree.leaves(jax.jit(unsafe)(params, bad)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_models_accumulate_norms_in_float32(dtype):
+    loss, params, x = gm.sequence(np.random.default_rng(6), dtype=dtype)
+    # Norms in the thousands: float16 squares of such gradients overflow (float16's forward
+    # pass itself overflows at 30x, where bfloat16's does not).
+    big = 30 if dtype == jnp.bfloat16 else 8
+    params = jax.tree.map(lambda p: p * big, params)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    grads, aux = jax.jit(g)(params, x)
+    assert aux.grad_norms.dtype == jnp.float32
+    assert all(leaf.dtype == dtype for leaf in jax.tree.leaves(grads))
+    reference = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
+    ref_grads, ref_aux = jax.jit(reference)(params, x)
+    assert np.all(np.isfinite(ref_aux.grad_norms)) and np.max(ref_aux.grad_norms) > 300
+    # The ghost norm is that of the gradient before its rounding to the parameters' dtype.
+    np.testing.assert_allclose(aux.grad_norms, ref_aux.grad_norms, rtol=1e-2)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=3e-2 * np.max(np.abs(b)))
+
+
+def shapes_in(jaxpr):
+    """Every shape of every value a jaxpr (and the jaxprs inside it) computes."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= shapes_in(sub)
+    return out
+
+
+@pytest.mark.parametrize("length", [5, 40])
+def test_dense_layers_are_ghost_never_batch_by_weight(length):
+    # Sequence 5: the Gram route (5 * (13 + 11) < 13 * 11 operations), nothing of shape
+    # (B, 13, 11). Sequence 40: computing each example's 13 x 11 gradient and its squares takes
+    # fewer operations than the Grams, and that (B, 13, 11) is smaller than the layer's inputs.
+    rng = np.random.default_rng(7)
+    params = {"w": jnp.asarray(rng.normal(size=(13, 11)), jnp.float32), "b": jnp.zeros(11)}
+    loss = lambda p, x: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2)  # noqa: E731
+    x = jnp.asarray(rng.normal(size=(3, length, 13)), jnp.float32)
+    report = optclip.ghost_report(loss, params, x)
+    assert report["['w']"].mode == "ghost" and report["['b']"].mode == "materialised"
+    per_example_w = {(3, 13, 11), (3, 11, 13), (3, 1, 13, 11)}
+    for method, expected in (("auto", length == 40), ("vmap", True)):
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, method=method)
+        jaxpr = jax.make_jaxpr(g)(params, x).jaxpr
+        assert bool(shapes_in(jaxpr) & per_example_w) == expected, method
+    check_against_reference(loss, params, x, 1.0)
+
+
+def test_report_names_each_leaf_and_why():
+    loss, params, ids = gm.embedding(np.random.default_rng(8), tied=True)
+    report = optclip.ghost_report(loss, params, ids)
+    assert report["['embed']"].mode == "ghost"
+    assert sorted(report["['embed']"].operations) == ["dot_general", "gather"]
+    assert "cross terms" in report["['embed']"].reason
+    loss, params, x = gm.fallback(np.random.default_rng(8))
+    report = optclip.ghost_report(loss, params, x)
+    assert report["['w']"].mode == "materialised" and "`sin`" in report["['w']"].reason
+    assert report["['u']"].mode == "unused"
+    assert "['w']" in str(report)
+
+
+def test_arguments_are_checked():
+    loss = lambda w, x: jnp.sum(x * w)  # noqa: E731
+    with pytest.raises(ValueError, match="`argnums` .* share"):
+        optclip.clipped_grad(loss, argnums=1, l2_clip_norm=1.0)
+    with pytest.raises(ValueError, match="`normalize_by` must be > 0, got 0"):
+        optclip.clipped_grad(loss, l2_clip_norm=1.0, normalize_by=0)
+    with pytest.raises(ValueError, match="`l2_clip_norm` must be >= 0"):
+        optclip.clipped_grad(loss, l2_clip_norm=-1.0)
+    with pytest.raises(ValueError, match="`method` must be one of 'auto', 'vmap'; got 'ghost'"):
+        optclip.clipped_grad(loss, l2_clip_norm=1.0, method="ghost")
+    with pytest.raises(TypeError, match="`batch_argnums` must be an int"):
+        optclip.clipped_grad(loss, l2_clip_norm=1.0, batch_argnums="x")
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, batch_argnums=(1, 2))
+    with pytest.raises(ValueError, match="share one batch size, got 3 .*; 2 "):
+        g(jnp.ones(2), jnp.ones((3, 2)), jnp.ones((2, 2)))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    with pytest.raises(ValueError, match="`is_padding_example` must be a bool array of shape"):
+        g(jnp.ones(2), jnp.ones((3, 2)), is_padding_example=jnp.zeros(3))
+    with pytest.raises(TypeError, match="real scalar loss"):
+        optclip.clipped_grad(lambda w, x: x * w, l2_clip_norm=1.0)(jnp.ones(2), jnp.ones((3, 2)))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, microbatch_size=2)
+    with pytest.raises(ValueError, match="`microbatch_size` \\(2\\) must divide the batch"):
+        g(jnp.ones(2), jnp.ones((3, 2)))
+
+
+def random_model(draw_sizes, tied, scanned, magnitude):
+    """A small random model: an embedding (tied to the output or not), dense layers with
+    biases (stacked under a scan or not), LayerNorm-like scale; gradients scaled by
+    `magnitude`."""
+    vocab, d, t, layers, batch, seed = draw_sizes
+    rng = np.random.default_rng(seed)
+    params = {
+        "embed": jnp.asarray(rng.normal(size=(vocab, d)), jnp.float32),
+        "w": jnp.asarray(rng.normal(size=(layers, d, d)) / np.sqrt(d), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(layers, d)), jnp.float32),
+        "g": jnp.asarray(rng.normal(size=(d,)), jnp.float32),
+    }
+    if not tied:
+        params["out"] = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
+
+    def loss(p, ids):
+        h = jnp.take(p["embed"], ids, axis=0)
+        if scanned:
+            h, _ = jax.lax.scan(
+                lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), h, (p["w"], p["b"])
+            )
+        else:
+            for i in range(layers):
+                h = jnp.tanh(h @ p["w"][i] + p["b"][i])
+        logits = (h * p["g"]) @ (p["embed"].T if tied else p["out"])
+        return jnp.sum(jax.nn.log_softmax(logits)[..., 0]) * magnitude
+
+    ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
+    return loss, params, ids
+
+
+@pytest.mark.slow
+@settings(max_examples=12, deadline=None)
+@given(
+    sizes=st.tuples(
+        st.integers(2, 9),
+        st.integers(1, 6),
+        st.integers(1, 5),
+        st.integers(1, 3),
+        st.integers(1, 5),
+        st.integers(0, 2**31),
+    ),
+    tied=st.booleans(),
+    scanned=st.booleans(),
+    magnitude=st.sampled_from([1.0, 1e-3, 1e20, 1e-20]),
+    clip=st.sampled_from([0.1, 1.0, 1e30]),
+)
+@example(sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1)
+@example(sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1)
+@example(sizes=(6, 2, 1, 1, 1, 345533), tied=False, scanned=False, magnitude=1.0, clip=0.1)
+def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip):
+    loss, params, ids = random_model(sizes, tied, scanned, magnitude)
+    # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
+    # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
+    # A small leaf of a random model may carry the float32 model's own rounding (1.3e-5 of an
+    # embedding's largest entry, 160x below the sum's; the same with method="vmap").
+    check_against_reference(loss, params, ids, clip * magnitude, norm_floor=1e-6, whole=True)
+
+
+@pytest.mark.slow
+def test_a_batch_sharded_over_eight_devices():
+    """`ghost_multidevice.py` in its own process (JAX fixes its device count at start)."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    here = pathlib.Path(__file__).parent
+    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(optclip.__file__).parent.parent))
+    done = subprocess.run(
+        [sys.executable, str(here / "ghost_multidevice.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith("ok"), done.stdout
+    assert "mlp/Explicit/spmd_axis_name" in done.stdout
+
+
+def test_static_python_arguments_stay_python():
+    # As under `jax.vmap`: a Python flag neither differentiated nor batched stays a Python
+    # value (the loss branches on it); a Python float parameter is differentiated.
+    loss, params, x = gm.mlp(np.random.default_rng(9))
+
+    def flagged(p, x, training, scale):
+        return loss(p, x) * (scale if training else 0.0)
+
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(flagged, l2_clip_norm=1.0, method=method)
+        grads = jax.jit(g, static_argnums=2)(params, x, True, 2.0)
+        _, sums = gm.reference(lambda p, x: flagged(p, x, True, 2.0), params, x, 1.0)
+        assert_tree_close(grads, sums)
+    f = lambda w, data: 0.5 * jnp.mean((data - w) ** 2)  # noqa: E731  (jax_privacy's example)
+    assert float(optclip.clipped_grad(f, l2_clip_norm=jnp.inf)(3.0, jnp.array([0, 7, -2]))) == 4
+    assert optclip.ghost_report(flagged, params, x, True, 2.0)["['w1']"].mode == "ghost"

@@ -1,0 +1,78 @@
+"""`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not), LayerNorm,
+RMSNorm, attention, Conv; ghost where the layer allows, and equal to the float64 reference."""
+
+import ghost_models as gm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen, nnx
+
+import optclip
+
+VOCAB, D, T, B = 11, 8, 5, 4
+
+
+class LinenModel(linen.Module):
+    @linen.compact
+    def __call__(self, ids):
+        embed = linen.Embed(VOCAB, D)
+        h = embed(ids)
+        h = linen.LayerNorm()(h)
+        h = h + linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(h)
+        h = linen.RMSNorm()(h)
+        h = h + linen.Conv(D, (3,), padding="CAUSAL")(h)  # over the sequence
+        h = jax.nn.gelu(linen.Dense(D)(h))
+        return embed.attend(h)  # tied output projection
+
+
+class NNXModel(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.norm = nnx.LayerNorm(D, rngs=rngs)
+        self.dense = nnx.Linear(D, D, rngs=rngs)
+        self.out = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
+
+    def __call__(self, ids):
+        return self.out(jax.nn.relu(self.dense(self.norm(self.embed(ids)))))
+
+
+def cross_entropy(logits, ids):
+    return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(ids, VOCAB))
+
+
+def linen_case():
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, size=(B, T)))
+    model = LinenModel()
+    params = model.init(jax.random.key(0), ids[:1])["params"]
+    return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
+
+
+def nnx_case():
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, size=(B, T)))
+    graphdef, params = nnx.split(NNXModel(nnx.Rngs(0)), nnx.Param)
+    params = nnx.to_pure_dict(params)
+
+    def loss(p, i):
+        state = nnx.State(p) if hasattr(nnx, "State") else p
+        model = nnx.merge(graphdef, state)
+        return cross_entropy(model(i), i)
+
+    return loss, params, ids
+
+
+@pytest.mark.parametrize("case", [nnx_case, linen_case])
+def test_flax_models_match_the_reference_and_go_ghost(case):
+    loss, params, ids = case()
+    report = optclip.ghost_report(loss, params, ids)
+    modes = {path: r.mode for path, r in report.items()}
+    kernels = [p for p in modes if "kernel" in p or "embedding" in p]
+    assert kernels and all(modes[p] == "ghost" for p in kernels), str(report)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    grads, aux = jax.jit(g)(params, ids)
+    norms, sums = gm.reference(loss, params, ids, 1.0)
+    np.testing.assert_allclose(aux.grad_norms, norms, rtol=1e-5)
+    # Relative to the whole sum (attention's key bias has a zero gradient, up to rounding).
+    scale = max(np.max(np.abs(e)) for e in jax.tree.leaves(sums))
+    for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(sums), strict=True):
+        np.testing.assert_allclose(a, e, atol=1e-5 * scale)
