@@ -84,3 +84,38 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         ratio, spread, new, base = row.split()[-4:]
         assert float(ratio) > 0 and "-" in spread, row
         assert new.endswith("ms") and base.endswith("ms"), row
+
+
+@pytest.mark.slow
+def test_private_training_benchmark_runs_and_plots(tmp_path):
+    """benchmarks/private.py --quick: every method at both batch sizes of both models, memory
+    from the compiled programs (structural: the materialising methods need more than ghost
+    clipping on the MLP, whose per-example gradients dwarf its activations), and a plot."""
+    out, plot = tmp_path / "private.json", tmp_path / "private.svg"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "private.py"), "--quick"]
+        + ["--json", str(out), "--plot", str(plot)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads(out.read_text())
+    methods = {"jax.grad (non-private)", "optclip.clipped_grad", "jax_privacy.clipped_grad"}
+    methods.add("vmap(grad) + per_example_clip")
+    for model in ("transformer", "mlp"):
+        for batch in (4, 8):
+            got = {r["method"]: r for r in rows if r["model"] == model and r["batch"] == batch}
+            assert set(got) == methods, got
+            assert all("time_s" in r for r in got.values())
+    for batch in (4, 8):
+        mlp = {
+            r["method"]: r["peak_bytes"]
+            for r in rows
+            if r["model"] == "mlp" and r["batch"] == batch
+        }
+        assert mlp["optclip.clipped_grad"] < mlp["vmap(grad) + per_example_clip"], mlp
+    svg = plot.read_text()  # (matplotlib writes each text of the figure as a comment)
+    for label in methods | {"transformer", "mlp", "batch size"}:
+        assert label in svg, label

@@ -323,6 +323,36 @@ def _metrics(good, bad):
 
 _SCALED = optclip.DynamicLossScale(4.0)
 
+
+def _ghost_loss(params, batch):
+    return jnp.mean(batch["a"] @ params["a"].T) + jnp.mean(batch["k"] * params["k"][0, 0])
+
+
+def _ghost(entry):
+    """`clipped_grad`'s function and `ghost_report`: the bad leaf in the parameters (argument
+    0) or in the batch (argument 1); each leaf named with its argument's place."""
+
+    def params(good, bad):
+        return entry(bad, jax.tree.map(lambda x: jnp.stack([x] * 2), good))
+
+    def batch(good, bad):
+        return entry(good, {"a": jnp.stack([good["a"]] * 2), "k": bad["k"]})
+
+    return [("(params)", params, None), ("(batch)", batch, None)]
+
+
+def _clipped_grad(p, b):
+    return optclip.clipped_grad(_ghost_loss, l2_clip_norm=1.0)(p, b)
+
+
+def _ghost_report(p, b):
+    return optclip.ghost_report(_ghost_loss, p, b)
+
+
+GHOST_CASES = _ghost(_clipped_grad) + _ghost(_ghost_report)
+# Where the ghost entry points name the leaf: its argument's place, then its path.
+LEAF_PATHS = {call: rf"\[{i % 2}\]\['k'\]" for i, (_, call, _) in enumerate(GHOST_CASES)}
+
 # Every public name: how a tree with a leaf that is not a number reaches it (each case a
 # function of a good tree and the same tree with the bad leaf at ``['k']``, and the start of the
 # message, None for any), or why nothing reads leaves there. A new public name fails
@@ -330,6 +360,12 @@ _SCALED = optclip.DynamicLossScale(4.0)
 LEAF_ENTRY_POINTS: dict = {
     "AGCState": "a state class",
     "AccumulationState": "a state class",
+    "AuxiliaryOutput": "a result class (of `clipped_grad`)",
+    "ClippedGradFn": "the function `clipped_grad` returns (run in its cases)",
+    "GhostReport": "a result class (of `ghost_report`)",
+    "LeafReport": "a result class (of `ghost_report`)",
+    "clipped_grad": GHOST_CASES[:2],
+    "ghost_report": GHOST_CASES[2:],
     "AdaGCState": "a state class",
     "AutoClipState": "a state class",
     "ClippedState": "a state class",
@@ -431,7 +467,7 @@ def test_a_leaf_that_is_not_a_number_is_named_at_every_entry_point(call, what, l
     """Eager, and under `jit` (the bad leaf closed over, the others traced): a `TypeError` that
     names the leaf's path and what it holds, the same from every entry point."""
     value, holds = NOT_NUMBERS[leaf]
-    path = r"\[1\]\.global_norm" if call is _metrics else r"\['k'\]"
+    path = r"\[1\]\.global_norm" if call is _metrics else LEAF_PATHS.get(call, r"\['k'\]")
     message = (
         re.escape(what) if what else r"\S+"
     ) + rf" needs numbers or arrays of numbers as leaves; leaf `{path}` is {holds}"

@@ -44,6 +44,10 @@ QUICK_RUNS = {
             r"^  blocks/3 ",
         ],
     ),
+    "private_training.py": (
+        ["--steps", "20"],
+        [r"^\['embed'\] +ghost ", r"^ +20 +\d\.\d{3} ", r"epsilon = [\d.]+ at delta = 1e-05$"],
+    ),
     "loss_scaling.py": (
         ["--steps", "40", "--seeds", "1"],
         [r"^float32\s", r"^float16, loss scaling\s", r"^float16, no loss scaling\s"],

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -162,6 +163,24 @@ CASES: dict[str, object] = {
     "per_example_layer_clip": [
         Function(lambda g: optclip.per_example_layer_clip(g, 1.0, uniform=False), batched=True)
     ],
+    "clipped_grad": [  # the batch of gradients as the examples of a small loss
+        Function(
+            lambda g: optclip.clipped_grad(
+                lambda w, b: (
+                    jnp.mean(jnp.tanh(jnp.einsum("bij,ij->b", b["dense"], w)))
+                    + jnp.mean(b["bias"] @ w.T)
+                ),
+                l2_clip_norm=1.0,
+                return_grad_norms=True,
+            )(jnp.ones((4, 3)), g),
+            batched=True,
+        ),
+    ],
+    "ClippedGradFn": "the function `clipped_grad` returns (run in its case)",
+    "AuxiliaryOutput": "a result class of `clipped_grad`",
+    "ghost_report": "reads shapes when called, on the host (no device work)",
+    "GhostReport": "a result class of `ghost_report`",
+    "LeafReport": "a result class of `ghost_report`",
 }
 
 

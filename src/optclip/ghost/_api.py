@@ -219,6 +219,7 @@ def clipped_grad(
     with_aux = has_aux or return_values or return_grad_norms
 
     def clipped_fn(*args, is_padding_example=None, **kwargs):
+        _args.check_leaves(args, argnum_tuple, batch, "`clipped_grad`")
         size = _args.batch_size(args, kwargs, batch)
         padding = _args.padding_mask(is_padding_example, size)
         args = _args.split_keys(args, prng_argnum, size)

@@ -69,6 +69,14 @@ def check_static(
     return args, batch
 
 
+def check_leaves(args, argnums, batch, what: str) -> None:
+    """The differentiated and batch arguments hold numbers (`_checks`' one leaf check), each
+    leaf named by its argument's place and its path."""
+    for i in sorted(set(argnums) | set(batch)):
+        if i < len(args):
+            _checks.check_leaves(args[i], what, prefix=(jax.tree_util.SequenceKey(i),))
+
+
 def batch_size(args, kwargs, batch) -> int:
     """The common leading size of the batch arguments and keyword arguments, checked."""
     if len(args) <= max(batch):

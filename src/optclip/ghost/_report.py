@@ -72,6 +72,7 @@ def ghost_report(
     )
     _checks.check_bool(has_aux, "has_aux")
     _checks.check_bool(keep_batch_dim, "keep_batch_dim")
+    _args.check_leaves(args, argnum_tuple, batch, "`ghost_report`")
     size = _args.batch_size(args, kwargs, batch)
     args = _args.split_keys(args, prng_argnum, size)
     s = _passes.Settings(

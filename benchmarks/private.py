@@ -1,0 +1,252 @@
+"""Private training's cost: per-example clipped gradients against an ordinary gradient step.
+
+    python benchmarks/private.py [--quick] [--json out.json] [--plot memory.png]
+
+Side by side in one process, for a transformer with scanned blocks (d=256, T=128, vocabulary
+8192, 4 blocks) and an MLP, at batch sizes 16, 64 and 256:
+
+* ``optclip.clipped_grad`` (ghost clipping: per-example norms from each layer's activations
+  and output gradients, no per-example gradient formed);
+* ``jax_privacy.clipped_grad`` (what JAX users run today: ``vmap`` of ``grad``), with its
+  ``microbatch_size`` where the batch's per-example gradients would pass ``--budget-gib``;
+* ``jax.vmap(jax.grad)`` + ``optclip.per_example_clip`` (materialised, then clipped);
+* ``jax.grad`` of the summed loss: the non-private floor.
+
+Memory is XLA's compiled memory analysis of each jitted step (arguments + outputs + temporaries,
+less what outputs alias), so it needs no run; time is the interleaved median of each step run
+in turn (``_timing.interleaved``), for the contenders whose compiled peak is under
+``--run-limit-gib``. Every figure is a ratio to the non-private step measured in the same
+process. Runs unchanged on a GPU (the memory is then the device's).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import pathlib
+import platform
+import sys
+import time
+
+import jax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _private_models as models  # noqa: E402
+import _timing  # noqa: E402
+
+CLIP = 1.0
+NON_PRIVATE = "jax.grad (non-private)"
+GHOST = "optclip.clipped_grad"
+JAX_PRIVACY = "jax_privacy.clipped_grad"
+VMAP = "vmap(grad) + per_example_clip"
+
+
+def contenders(loss, batch_size: int, n_params: int, budget_bytes: float) -> dict:
+    """``name -> (step(params, batch) -> summed gradients, note)``."""
+    import jax_privacy
+
+    import optclip
+
+    def non_private(params, batch):
+        return jax.grad(lambda p: loss(p, batch) * batch_size)(params)
+
+    def materialised(params, batch):
+        one = lambda p, example: loss(p, jax.tree.map(lambda x: x[None], example))  # noqa: E731
+        grads = jax.vmap(jax.grad(one), in_axes=(None, 0))(params, batch)
+        return optclip.per_example_clip(grads, CLIP)[0]
+
+    per_example_bytes = 4.0 * n_params
+    micro = batch_size
+    while micro > 1 and micro * per_example_bytes > budget_bytes:
+        micro //= 2
+    jp_note = "" if micro == batch_size else f"microbatch_size={micro}"
+    return {
+        NON_PRIVATE: (non_private, ""),
+        GHOST: (optclip.clipped_grad(loss, l2_clip_norm=CLIP), ""),
+        JAX_PRIVACY: (
+            jax_privacy.clipped_grad(
+                loss, l2_clip_norm=CLIP, microbatch_size=None if micro == batch_size else micro
+            ),
+            jp_note,
+        ),
+        VMAP: (materialised, ""),
+    }
+
+
+def peak_bytes(compiled) -> int:
+    mem = compiled.memory_analysis()
+    return (
+        mem.argument_size_in_bytes
+        + mem.output_size_in_bytes
+        - mem.alias_size_in_bytes
+        + mem.temp_size_in_bytes
+    )
+
+
+def measure(name, loss, params, batch, batch_size, args) -> list[dict]:
+    n_params = models.parameter_count(params)
+    made = contenders(loss, batch_size, n_params, args.budget_gib * 2**30)
+    rows, runners, timed = [], [], []
+    for method, (step, note) in made.items():
+        start = time.perf_counter()
+        compiled = jax.jit(step).lower(params, batch).compile()
+        peak = peak_bytes(compiled)
+        row = dict(model=name, batch=batch_size, method=method, peak_bytes=peak, note=note)
+        row["compile_s"] = time.perf_counter() - start
+        if peak <= args.run_limit_gib * 2**30:
+            runners.append(functools.partial(compiled, params, batch))
+            timed.append(row)
+        else:
+            row["note"] = (note + "; " if note else "") + "not run: peak over --run-limit-gib"
+        rows.append(row)
+        print(f"  {name} batch {batch_size}: {method}: peak {peak / 2**20:.1f} MiB", flush=True)
+    paired = _timing.interleaved(runners, pairs=args.pairs, warmup=1, min_sample_s=0.0)
+    for row, median in zip(timed, paired.medians):
+        row["time_s"] = median
+    base = {r["method"]: r for r in rows}[NON_PRIVATE]
+    index = {r["method"]: i for i, r in enumerate(timed)}
+    for row in rows:
+        row["peak_ratio"] = row["peak_bytes"] / base["peak_bytes"]
+        if row["method"] in index:
+            row["time_ratio"] = paired.ratio(index[row["method"]], index[NON_PRIVATE])
+            row["time_iqr"] = paired.spread(index[row["method"]], index[NON_PRIVATE])
+    if JAX_PRIVACY in index:
+        ghost = {r["method"]: r for r in rows}[GHOST]
+        ghost["vs_jax_privacy"] = paired.ratio(index[JAX_PRIVACY], index[GHOST])
+    return rows
+
+
+def table(rows) -> str:
+    head = (
+        f"{'model':12} {'batch':>5}  {'method':32} {'peak MiB':>9} {'x floor':>7} "
+        f"{'time':>9} {'x floor':>7}  note"
+    )
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        t = f"{r['time_s'] * 1e3:7.1f}ms" if "time_s" in r else "        -"
+        tr = f"{r['time_ratio']:7.2f}" if "time_ratio" in r else "      -"
+        note = r["note"]
+        if "vs_jax_privacy" in r:
+            note = f"{r['vs_jax_privacy']:.2f}x faster than jax_privacy" + (
+                "; " + note if note else ""
+            )
+        lines.append(
+            f"{r['model']:12} {r['batch']:5d}  {r['method']:32} "
+            f"{r['peak_bytes'] / 2**20:9.1f} {r['peak_ratio']:7.2f} {t} {tr}  {note}"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib import ticker
+
+    names = sorted({r["model"] for r in rows})
+    fig, axes = plt.subplots(1, len(names), figsize=(5.5 * len(names), 4), squeeze=False)
+    for ax, model in zip(axes[0], names):
+        for method in (NON_PRIVATE, GHOST, JAX_PRIVACY, VMAP):
+            points = sorted(
+                (r["batch"], r["peak_bytes"] / 2**20)
+                for r in rows
+                if r["model"] == model and r["method"] == method
+            )
+            ax.plot(*zip(*points), marker="o", label=method)
+            for r in rows:
+                if r["model"] == model and r["method"] == method and "microbatch" in r["note"]:
+                    micro = r["note"].split(";")[0]
+                    ax.annotate(
+                        micro,
+                        (r["batch"], r["peak_bytes"] / 2**20),
+                        fontsize=7,
+                        xytext=(-100, -16),
+                        textcoords="offset points",
+                    )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({r["batch"] for r in rows}))
+        ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+        ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(ticker.NullFormatter())
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("peak memory of the jitted step (MiB)")
+        ax.set_title(model)
+        ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"Peak memory of one step (XLA's compiled memory analysis, {where()})")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=110)
+
+
+def where() -> str:
+    """The machine the figures come from."""
+    device = jax.devices()[0]
+    if device.platform == "cpu":
+        import os
+
+        return f"CPU, {os.cpu_count()} cores"
+    return device.device_kind
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny models, two batch sizes")
+    parser.add_argument("--pairs", type=int, default=None, help="timing rounds (default 5)")
+    parser.add_argument("--budget-gib", type=float, default=4.0)
+    parser.add_argument("--run-limit-gib", type=float, default=12.0)
+    parser.add_argument("--only", choices=["transformer", "mlp"], default=None)
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    parser.add_argument("--replot", type=pathlib.Path, default=None, help="plot a --json file")
+    parser.add_argument("--plot", type=pathlib.Path, default=None, help="a .png or .svg file")
+    args = parser.parse_args(argv)
+    args.pairs = args.pairs or (2 if args.quick else 5)
+    if args.replot:
+        rows = json.loads(args.replot.read_text())
+        plot(rows, args.plot)
+        return rows
+    if args.quick:
+        t_shape = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2)
+        m_shape = models.MLPShape(inputs=16, hidden=32, layers=2, classes=4)
+        batches = (4, 8)
+    else:
+        t_shape, m_shape, batches = models.TransformerShape(), models.MLPShape(), (16, 64, 256)
+    print(
+        f"private training benchmark: jax {jax.__version__}, {where()} "
+        f"({platform.processor() or platform.machine()}), {'quick' if args.quick else 'full'}",
+        flush=True,
+    )
+    rows = []
+    setups = {
+        "transformer": (
+            functools.partial(models.transformer_loss, heads=t_shape.heads),
+            models.transformer_params(t_shape),
+            lambda b: models.transformer_batch(t_shape, b),
+        ),
+        "mlp": (
+            models.mlp_loss,
+            models.mlp_params(m_shape),
+            lambda b: models.mlp_batch(m_shape, b),
+        ),
+    }
+    for name, (loss, params, make_batch) in setups.items():
+        if args.only and name != args.only:
+            continue
+        print(f"{name}: {models.parameter_count(params):,} parameters", flush=True)
+        for b in batches:
+            rows += measure(name, loss, params, make_batch(b), b, args)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=float))
+    if args.plot:
+        plot(rows, args.plot)
+    assert all(math.isfinite(r["peak_bytes"]) for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
