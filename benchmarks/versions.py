@@ -50,8 +50,9 @@ def import_base(ref: str, folder: str):
             if member.isfile() and member.name.endswith(".py"):
                 text = tar.extractfile(member).read().decode()
                 text = re.sub(r"\boptclip\b(?=[._ ]|$)", "optclip_base", text, flags=re.M)
-                name = os.path.basename(member.name)
-                with open(os.path.join(target, name), "w") as f:
+                path = os.path.join(target, os.path.relpath(member.name, "src/optclip"))
+                os.makedirs(os.path.dirname(path), exist_ok=True)  # (subpackages: ghost/)
+                with open(path, "w") as f:
                     f.write(text)
     sys.path.insert(0, folder)
     import optclip_base
