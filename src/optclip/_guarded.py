@@ -158,7 +158,8 @@ def guarded(
 
     Raises:
       TypeError: `optimizer` or `clip` is not a transformation; `loss_scale` or `skip_spikes`
-        is not one of the accepted values; `accumulation_steps` is a JAX array.
+        is not one of the accepted values; `accumulation_steps` is a JAX array; at init and
+        update, a leaf of the parameters or gradients that is not a number (named by its path).
       ValueError: `accumulation_steps` is not an int >= 1.
       ValueError: at update, a ``value=`` that is not a 0-d float.
 
