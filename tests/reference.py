@@ -78,6 +78,19 @@ def random_leaves(rng, shapes, dtype, spread=True):
     return out
 
 
+def gradient_steps(params, n, seed=0):
+    """`n` float32 trees of gradients shaped like `params`, each a few orders of magnitude
+    apart (a factor 10**U(-1, 1) per step), as NumPy."""
+    rng = np.random.default_rng(seed)
+    return [
+        {
+            k: (rng.standard_normal(np.shape(v)) * 10.0 ** rng.uniform(-1, 1)).astype(np.float32)
+            for k, v in params.items()
+        }
+        for _ in range(n)
+    ]
+
+
 def assert_close(actual, expected, dtype, factor=1.0):
     """Element-wise comparison with a tolerance fitting `dtype`'s rounding."""
     actual = as_f64(actual)

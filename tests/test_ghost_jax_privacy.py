@@ -5,16 +5,11 @@ and the differences on purpose (a non-finite example, norms whose squares overfl
 import ghost_models as gm
 import jax
 import jax.numpy as jnp
+import jax_privacy  # (the test extra installs it: these tests never skip)
 import numpy as np
 import pytest
 
 import optclip
-
-jax_privacy = pytest.importorskip(
-    "jax_privacy",
-    reason="jax-privacy is not installed (pip install jax-privacy>=2.0; it pins attrs<24 "
-    "through dp-accounting, so it is not in the test extra)",
-)
 
 
 def both(loss, *args, method="auto", call_kwargs=None, **kwargs):
