@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+RTOL = 1e-5  # float32 rounding of a norm or a clipped sum, relative to the largest entry
+
 
 def _init(rng, shapes, dtype=np.float32, scale=0.5):
     return {k: jnp.asarray(rng.normal(size=s) * scale, dtype) for k, s in shapes.items()}
@@ -214,3 +216,12 @@ def conv(rng, dtype=np.float32, batch=3):
 
     x = jnp.asarray(rng.normal(size=(batch, 7, 6, 2)), dtype)
     return loss, params, x
+
+
+def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
+    """Every leaf within `rtol` of its largest entry (of the whole tree's, with `whole`)."""
+    largest = max(np.max(np.abs(e)) for e in jax.tree.leaves(expected))
+    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
+        a = np.asarray(a, np.float64)
+        scale = max(largest if whole else np.max(np.abs(e)), 1e-30)
+        np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)

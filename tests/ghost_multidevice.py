@@ -1,6 +1,8 @@
 """Run by `tests/test_ghost.py` in a process of its own with 8 CPU devices: `clipped_grad` on a
 batch sharded over a data-parallel mesh (jit of sharded inputs; `spmd_axis_name` under the
-mesh) equals the same call on one device. Prints ``ok`` and the checks made.
+mesh) equals the same call on one device, on the common path and on the paths taken for
+gradients whose squares overflow and for a dropped non-finite example. Prints ``ok`` and the
+checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
 """
@@ -15,9 +17,7 @@ def main():
     import ghost_models as gm
     import jax
     import numpy as np
-    from jax.sharding import AxisType, NamedSharding, PartitionSpec
-
-    import optclip
+    from jax.sharding import AxisType
 
     cases = (
         # (model, mesh axis type): automatic sharding (GSPMD) for models with lookups (a
@@ -32,21 +32,54 @@ def main():
     for name, build, axis_type in cases:
         mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
         loss, params, x = build(np.random.default_rng(0), batch=16)
-        single = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-        expected = jax.jit(single)(params, x)
-        sharded_x = jax.device_put(x, NamedSharding(mesh, PartitionSpec("data")))
-        replicated = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-        split = optclip.clipped_grad(
-            loss, l2_clip_norm=1.0, return_grad_norms=True, spmd_axis_name="data"
-        )
-        for label, fn in (("jit", single), ("spmd_axis_name", split)):
-            with jax.set_mesh(mesh):
-                got = jax.jit(fn)(replicated, sharded_x)
-            for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
-                e = np.asarray(e, np.float64)
-                np.testing.assert_allclose(a, e, rtol=0, atol=1e-5 * np.max(np.abs(e)))
-            checks.append(f"{name}/{axis_type.name}/{label}")
+        # The common path; gradients whose squares overflow float32 (the norms' scaled path);
+        # for the MLP, a non-finite example dropped and a padding example (the sums' zeroed
+        # path).
+        huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
+        variants = [("", loss, x, None), ("huge", huge, x, None)]
+        if name == "mlp":
+            padding = np.zeros(16, bool)
+            padding[5] = True
+            variants.append(("dropped", loss, x.at[3, 0].set(np.inf), padding))
+        for variant, f, data, pad in variants:
+            label = "/".join(filter(None, (name, axis_type.name, variant)))
+            checks += compare(f, params, data, pad, mesh, label)
     print("ok", " ".join(checks))
+
+
+def compare(loss, params, x, padding, mesh, label):
+    """`clipped_grad` jitted over `x` split over the mesh (plain jit, `spmd_axis_name`, and
+    under explicit sharding `method="vmap"` too) against the same call on one device."""
+    import jax
+    import numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    import optclip
+
+    kwargs = {} if padding is None else {"is_padding_example": padding}
+    single = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    expected = jax.jit(single)(params, x, **kwargs)
+    sharded = NamedSharding(mesh, PartitionSpec("data"))
+    sharded_x = jax.device_put(x, sharded)
+    kwargs = {k: jax.device_put(v, sharded) for k, v in kwargs.items()}
+    replicated = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    split = optclip.clipped_grad(
+        loss, l2_clip_norm=1.0, return_grad_norms=True, spmd_axis_name="data"
+    )
+    contenders = [("jit", single), ("spmd_axis_name", split)]
+    if mesh.axis_types[0] == AxisType.Explicit:  # the materialising reference too
+        vmap = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
+        contenders.append(("vmap", vmap))
+    done = []
+    for name, fn in contenders:
+        with jax.set_mesh(mesh):
+            got = jax.jit(fn)(replicated, sharded_x, **kwargs)
+        for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+            e = np.asarray(e, np.float64)
+            largest = np.max(np.abs(e[np.isfinite(e)]), initial=0)
+            np.testing.assert_allclose(a, e, rtol=0, atol=1e-5 * largest)
+        done.append(f"{label}/{name}")
+    return done
 
 
 if __name__ == "__main__":

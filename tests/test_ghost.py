@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ghost_models import RTOL, assert_tree_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import run
 
 import optclip
 
-RTOL = 1e-5  # float32 rounding of a norm or a clipped sum, relative to the largest entry
 MODELS = {
     "mlp": gm.mlp,
     "sequence": gm.sequence,
@@ -28,15 +28,6 @@ MODELS = {
     "transformer": gm.transformer,
     "conv": gm.conv,
 }
-
-
-def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
-    """Every leaf within `rtol` of its largest entry (of the whole tree's, with `whole`)."""
-    largest = max(np.max(np.abs(e)) for e in jax.tree.leaves(expected))
-    for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        a = np.asarray(a, np.float64)
-        scale = max(largest if whole else np.max(np.abs(e)), 1e-30)
-        np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)
 
 
 def check_against_reference(
@@ -82,6 +73,23 @@ def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
     _, params, x = gm.mlp(np.random.default_rng(2))
     linear = lambda p, x: jnp.sum(jnp.sin(x @ p["w1"] * (1 / magnitude)) @ p["w2"])  # noqa: E731
     check_against_reference(linear, params, x * magnitude, 1.0)
+
+
+@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent"])
+def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkeypatch):
+    # Norms are computed on the factors as they are where no product can overflow or flush,
+    # else one example at a time on factors divided by their magnitudes: forced here.
+    from optclip.ghost import _factors
+
+    loss, params, x = MODELS[name](np.random.default_rng(12))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    common = jax.jit(g)(params, x)
+    monkeypatch.setattr(_factors, "safe", lambda x, y: x.exponent == _factors.ZERO_EXPONENT)
+    monkeypatch.setattr(_factors, "safe_squares", lambda f: f.exponent[0] > 2**30)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
+    scaled = jax.jit(g)(params, x)
+    np.testing.assert_allclose(scaled[1].grad_norms, common[1].grad_norms, rtol=1e-6)
+    assert_tree_close(scaled[0], jax.tree.map(np.asarray, common[0]), rtol=1e-6)
 
 
 def test_zero_gradient_gives_no_nan():
@@ -168,12 +176,40 @@ def test_dense_layers_are_ghost_never_batch_by_weight(length):
     x = jnp.asarray(rng.normal(size=(3, length, 13)), jnp.float32)
     report = optclip.ghost_report(loss, params, x)
     assert report["['w']"].mode == "ghost" and report["['b']"].mode == "materialised"
-    per_example_w = {(3, 13, 11), (3, 11, 13), (3, 1, 13, 11)}
+    per_example_w = {(3, 13, 11), (3, 11, 13), (3, 1, 13, 11), (1, 3, 1, 13, 11)}
     for method, expected in (("auto", length == 40), ("vmap", True)):
         g = optclip.clipped_grad(loss, l2_clip_norm=1.0, method=method)
         jaxpr = jax.make_jaxpr(g)(params, x).jaxpr
         assert bool(shapes_in(jaxpr) & per_example_w) == expected, method
     check_against_reference(loss, params, x, 1.0)
+
+
+LOOKUPS = {
+    "take": lambda w, ids: jnp.take(w, ids, axis=0),
+    "index": lambda w, ids: w[ids],
+    "vmapped": lambda w, ids: jax.vmap(jax.vmap(lambda i: w[i]))(ids),  # (Equinox's)
+    "fill": lambda w, ids: w.at[ids].get(mode="fill", fill_value=0),
+    "vmapped fill": lambda w, ids: jax.vmap(
+        jax.vmap(lambda i: w.at[i].get(mode="fill", fill_value=0))
+    )(ids),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOKUPS))
+def test_each_way_of_writing_a_lookup_is_ghost(name):
+    rng = np.random.default_rng(11)
+    params = {"w": jnp.asarray(rng.normal(size=(7, 3)), jnp.float32)}
+    ids = jnp.asarray(rng.integers(0, 7, size=(5, 4)))
+    if "fill" in name:  # ids out of range (7 and 9 of 7 rows) read a zero row: no gradient
+        ids = ids.at[1, 2].set(7).at[3, 0].set(9)
+    lookup = LOOKUPS[name]
+
+    def loss(p, ids):
+        return jnp.sum(jnp.sin(lookup(p["w"], ids) @ jnp.arange(3.0)) ** 2)
+
+    assert optclip.ghost_report(loss, params, ids)["['w']"].mode == "ghost"
+    for mode in ("jit", "eager"):
+        check_against_reference(loss, params, ids, 1.0, mode=mode)
 
 
 def test_report_names_each_leaf_and_why():

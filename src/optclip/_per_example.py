@@ -67,6 +67,16 @@ def _work_dtype(dtype):
     return dtype if jnp.finfo(dtype).bits >= 32 else jnp.dtype(jnp.float32)
 
 
+def _summed_sharding(x):
+    """Under JAX's explicit sharding, with `x`'s batch axis split over the mesh: the sharding
+    of its sum over that axis (the rest of its spec; the contraction is then unambiguous).
+    Else None."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if not spec or spec[0] is None:
+        return None
+    return jax.sharding.PartitionSpec(*spec[1:])
+
+
 def _weighted_sum(scales, x):
     """``sum_b scales[b] * x[b]``: one contraction over the batch axis, accumulated in float32
     for float16/bfloat16 leaves and rounded once to `x`'s dtype."""
@@ -76,6 +86,7 @@ def _weighted_sum(scales, x):
         x,
         (((0,), (0,)), ((), ())),
         preferred_element_type=work,
+        out_sharding=_summed_sharding(x),
     )
     return total.astype(x.dtype)
 

@@ -11,7 +11,15 @@ with ``x`` built from the recorded operand (the layer's input; a one-hot row for
 for one use ``||sum_k x_k (outer) y_k||^2`` directly when that is fewer operations. Nothing of
 the size batch x parameter is formed on the Gram route.
 
-Every factor is first divided by a power of two near its largest magnitude (per example), so
+A factor's values have shape ``(L, B, H, K, S)``: the layers of the scans the use is inside (the
+stacked layers, each a head of its own), the examples, the heads of the operation itself (a
+`dot_general` batch dimension), the summed rows and the features. That is the order in which the
+tapped pass stacks records and output gradients, so that in the common case (a dense layer in
+or outside a scan) the factors are the records and output gradients themselves, reshaped, with
+nothing moved. Terms come out per layer and example, shape ``(L, B)``, and `over_layers` adds
+the layers up.
+
+Every factor is divided by a power of two near its largest magnitude (per layer and example), so
 that no product overflows or underflows; a term is carried as ``(exponent, value)``, its
 squared norm being ``value * 4**exponent``.
 """
@@ -31,18 +39,28 @@ HIGHEST = lax.Precision.HIGHEST
 
 @dataclasses.dataclass
 class Factor:
-    """One side of a use's outer products, for every example: `values` of shape ``(B, H, K,
-    S)``, or for a lookup's one-hot side `ids` of shape ``(B, H, K)`` into `size` rows."""
+    """One side of a use's outer products: `values` of shape ``(L, B, H, K, S)``, or for a
+    lookup's one-hot side `ids` of shape ``(L, B, H, K)`` into `size` rows; `exponent` (int32,
+    ``(L, B)``) is that of a power of two near the largest magnitude of each layer of each
+    example (`magnitude`; 0 for a one-hot side, which is never scaled)."""
 
     values: Any = None
     ids: Any = None
     size: int = 0
+    exponent: Any = None
 
     @property
-    def shape(self):
-        if self.values is not None:
-            return self.values.shape
-        return (*self.ids.shape, self.size)
+    def shape(self) -> tuple:
+        """``(L, B, H, K, S)``; S is 1 for a one-hot side (its Gram is exact)."""
+        return self.values.shape if self.values is not None else (*self.ids.shape, 1)
+
+    def scaled(self) -> Factor:
+        """The factor divided by ``2**exponent`` (its largest magnitude in [0.5, 1))."""
+        if self.values is None:
+            return self
+        e = self.exponent.reshape(self.exponent.shape + (1,) * (self.values.ndim - 2))
+        scale = jnp.ldexp(jnp.ones((), self.values.dtype), -e)
+        return dataclasses.replace(self, values=self.values * scale)
 
 
 # The exponent of a zero factor or norm: below every other (a zero must not set the scale that
@@ -50,61 +68,99 @@ class Factor:
 ZERO_EXPONENT = -(2**20)
 
 
-def sum_of_squares(x, acc):
-    """``(exponent, value)`` of each example's sum of squares of `x` (shape ``(B, ...)``),
-    exact at every magnitude (no square overflows or flushes)."""
-    scaled, exponent = normalised(x.reshape(x.shape[0], -1), acc)
-    return exponent, jnp.sum(jnp.square(scaled), axis=1)
+def squares(x, acc) -> Factor:
+    """A per-example gradient `x` (shape ``(B, ...)``) as a factor whose `square_terms` are
+    its squared norms."""
+    return factor(x.reshape(1, x.shape[0], 1, 1, math.prod(x.shape[1:])), acc)
 
 
-def normalised(x, acc):
-    """`x` in `acc` divided by a power of two near each example's largest magnitude, and the
-    exponents (int32, shape (B,)): ``x == result * 2**exponent``."""
+def square_terms(f: Factor, scaled: bool = True):
+    """``(exponent, value)`` of each example's sum of squares of `f` (`squares`): divided by
+    its magnitude first with `scaled` (exact at every magnitude), else as it is (exponent 0;
+    the same values where `safe_squares`: a power of two divides exactly)."""
+    if scaled:
+        f = f.scaled()
+    exponent = f.exponent[0] if scaled else jnp.zeros_like(f.exponent[0])
+    return exponent, jnp.sum(jnp.square(f.values), axis=(2, 3, 4))[0]
+
+
+def safe_squares(f: Factor):
+    """Per example: True where `square_terms` needs no division by the magnitude (no square
+    or sum overflows; the squares that flush add up to less than ``2**-26`` of the sum)."""
+    size = f.values.shape[4]
+    e = f.exponent[0]
+    fits = (2 * e + math.log2(size) <= 120) & (2 * e >= math.log2(size + 1) - 98)
+    return fits | (e == ZERO_EXPONENT)
+
+
+def factor(x, acc) -> Factor:
+    """`x` (shape ``(L, B, H, K, S)``) in `acc`, as a `Factor` with its `magnitude`."""
     x = x.astype(acc)
-    largest = jnp.max(jnp.abs(x), axis=tuple(range(1, x.ndim)), initial=0)
+    return Factor(x, exponent=magnitude(x))
+
+
+def magnitude(x):
+    """The exponent (int32, shape ``(L, B)``) of a power of two near the largest magnitude of
+    each layer of each example of `x` (``(L, B, ...)``): ``2**(e-1) <= max|x| < 2**e``; 0 where
+    that is not finite (nothing to scale), `ZERO_EXPONENT` where it is 0."""
+    flat = x.reshape(*x.shape[:2], math.prod(x.shape[2:]))
+    # (the largest and the smallest apart: XLA on the CPU reduces each 5x faster than |x|)
+    largest = jnp.maximum(jnp.max(flat, axis=2, initial=0), -jnp.min(flat, axis=2, initial=0))
     _, exponent = jnp.frexp(largest)
     exponent = jnp.where(jnp.isfinite(largest), exponent, 0)
-    scale = jnp.ldexp(jnp.ones_like(largest), -exponent)
-    exponent = jnp.where(largest == 0, ZERO_EXPONENT, exponent)  # (after the scale: 1 there)
-    return x * scale.reshape((-1,) + (1,) * (x.ndim - 1)), exponent.astype(jnp.int32)
+    return jnp.where(largest == 0, ZERO_EXPONENT, exponent).astype(jnp.int32)
+
+
+def arrange(x, sliced, groups):
+    """`x`, laid out ``(*levels, B, *operand dimensions)``, as ``(L, B, H, K, S)``: the levels
+    `sliced` says are sliced (stacked layers) first, the examples, then `groups` = ``(heads,
+    summed, features)`` of operand dimensions (the levels that are not sliced, a weight the same
+    at every step of its scan, are summed too). Nothing moves when the groups come in order."""
+    levels = len(sliced)
+    heads, summed, features = groups
+    at = lambda group: [levels + 1 + d for d in group]  # noqa: E731
+    parts = (
+        [i for i in range(levels) if sliced[i]],
+        [levels],
+        at(heads),
+        [i for i in range(levels) if not sliced[i]] + at(summed),
+        at(features),
+    )
+    order = [a for part in parts for a in part]
+    if order != list(range(x.ndim)):
+        x = jnp.transpose(x, order)
+    sizes, start = [], 0
+    for part in parts:
+        sizes.append(math.prod(x.shape[start : start + len(part)]))
+        start += len(part)
+    return x.reshape(sizes)
 
 
 def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
-    """The factors ``(x, y)`` and exponent of a `dot_general` whose operand `pos` is the view:
-    `record` is the other operand, `grad` the output gradient, both with the batch axis and then
-    one axis per enclosing scan; `sliced` says per scan whether the view is sliced along it
-    (stacked layers: a head axis) or the same at every iteration (its uses are summed)."""
+    """The factors ``(x, y)`` of a `dot_general` whose operand `pos` is the view:
+    `record` is the other operand, `grad` the output gradient, both laid out ``(*levels, B,
+    ...)`` (one level per enclosing scan); `sliced` says per level whether the view is sliced
+    along it (stacked layers) or the same at every iteration (its uses are summed)."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     a_contract = tuple(contract_r if pos == 0 else contract_l)
     a_batch = tuple(batch_r if pos == 0 else batch_l)
-    lead = 1 + len(sliced)  # the batch axis and the scans' axes
-    a_free = tuple(d for d in range(record.ndim - lead) if d not in a_contract + a_batch)
+    a_ndim = record.ndim - len(sliced) - 1
+    a_free = tuple(d for d in range(a_ndim) if d not in a_contract + a_batch)
     v_free = len(eqn.invars[pos].aval.shape) - len(a_contract) - len(a_batch)
     nb = len(a_batch)
     out_a = tuple(range(nb, nb + len(a_free)))
     out_v = tuple(range(nb + len(a_free), nb + len(a_free) + v_free))
-    if pos == 0:
+    if pos == 0:  # the output's free dimensions: the view's first
         out_v = tuple(range(nb, nb + v_free))
         out_a = tuple(range(nb + v_free, nb + v_free + len(a_free)))
-    heads = tuple(1 + i for i, s in enumerate(sliced) if s)
-    summed = tuple(1 + i for i, s in enumerate(sliced) if not s)
-
-    def arrange(x, batch, free, rest):
-        order = (0, *heads, *(lead + d for d in batch), *summed, *(lead + d for d in free))
-        order = order + tuple(lead + d for d in rest)
-        x = jnp.transpose(x, order)
-        count_h = math.prod(x.shape[1 : 1 + len(heads) + len(batch)])
-        count_k = math.prod(x.shape[1 + len(heads) + len(batch) : -len(rest) or None])
-        return x.reshape(x.shape[0], count_h, count_k, -1)
-
-    x, ex = normalised(arrange(record, a_batch, a_free, a_contract), acc)
-    y, ey = normalised(arrange(grad, tuple(range(nb)), out_a, out_v), acc)
-    return Factor(x), Factor(y), ex + ey
+    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc)
+    return x, factor(arrange(grad, sliced, (tuple(range(nb)), out_a, out_v)), acc)
 
 
 def conv_factors(record, grad, eqn, acc):
-    """The factors of a convolution by the kernel: each output position's input patch (`x`,
-    ``lax.conv_general_dilated_patches``) and output gradient (`y`)."""
+    """The factors of a convolution by the kernel (outside scans: records laid out ``(B,
+    ...)``): each output position's input patch (`x`, ``lax.conv_general_dilated_patches``)
+    and output gradient (`y`)."""
     p = eqn.params
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     kernel = eqn.invars[1].aval.shape
@@ -125,64 +181,91 @@ def conv_factors(record, grad, eqn, acc):
     x = jnp.moveaxis(x, 2, -1)  # (B, N, *spatial, features)
     y = jnp.transpose(grad, (0, *(1 + d for d in out_spec)))
     y = jnp.moveaxis(y, 2, -1)  # (B, N, *spatial, out features)
-    x = x.reshape(x.shape[0], 1, -1, x.shape[-1])
-    y = y.reshape(y.shape[0], 1, -1, y.shape[-1])
-    x, ex = normalised(x, acc)
-    y, ey = normalised(y, acc)
-    return Factor(x), Factor(y), ex + ey
+    x = factor(x.reshape(1, x.shape[0], 1, -1, x.shape[-1]), acc)
+    return x, factor(y.reshape(1, y.shape[0], 1, -1, y.shape[-1]), acc)
 
 
-def embed_factors(indices, grad, eqn, row: int, acc):
-    """The factors of an embedding lookup: one-hot rows `indices[..., 0]` and the output
-    gradient's rows (the lookup's mode decides what an index out of range does: clamped, or
-    its row dropped)."""
-    rows = eqn.invars[0].aval.shape[row]
-    ids = indices[..., 0].reshape(indices.shape[0], 1, -1)
-    y = grad.reshape(grad.shape[0], 1, ids.shape[2], -1)
+def embed_factors(indices, grad, eqn, found, acc):
+    """The factors of an embedding lookup (outside scans), `found` its `_trace.Lookup`: one-hot
+    rows (the row index of each index vector) and the output gradient's rows. The lookup's mode
+    decides what an index out of range does: clamped, or its row dropped (as is a row whose
+    column index is not 0, the only start of a whole row)."""
+    rows = eqn.invars[0].aval.shape[found.row]
+    batch = indices.shape[0]
+    ids = indices[..., found.row_index].reshape(1, batch, 1, -1)
+    y = grad.reshape(1, batch, 1, ids.shape[3], -1)
     if "FILL" in str(eqn.params.get("mode", "")).upper():
         inside = (ids >= 0) & (ids < rows)
+        if found.column_index is not None:
+            inside &= indices[..., found.column_index].reshape(ids.shape) == 0
         y = jnp.where(inside[..., None], y, jnp.zeros((), y.dtype))
     ids = jnp.clip(ids, 0, rows - 1)
-    y, ey = normalised(y, acc)
-    return Factor(ids=ids, size=rows), Factor(y), ey
+    one_hot = Factor(ids=ids, size=rows, exponent=jnp.zeros_like(ids[:, :, 0, 0]))
+    return one_hot, factor(y, acc)
 
 
 def gram(a: Factor, b: Factor, acc):
-    """``(B, H, Ka, Kb)``: the inner products of every row of `a` with every row of `b`."""
+    """``(L, B, H, Ka, Kb)``: the inner products of every row of `a` with every row of `b`."""
     if a.values is not None and b.values is not None:
-        return jnp.einsum("bhks,bhls->bhkl", a.values, b.values, precision=HIGHEST)
+        return jnp.einsum("lbhks,lbhjs->lbhkj", a.values, b.values, precision=HIGHEST)
     if a.values is None and b.values is None:
         return (a.ids[..., :, None] == b.ids[..., None, :]).astype(acc)
     if a.values is None:
         return jnp.swapaxes(gram(b, a, acc), -1, -2)
-    # a dense (B, H, Ka, S), b one-hot (B, H, Kb): a[b, h, k, ids[b, h, l]]
-    ids = jnp.broadcast_to(b.ids[:, :, None, :], (*a.values.shape[:3], b.ids.shape[2]))
-    return jnp.take_along_axis(a.values, ids, axis=3)
+    # a dense (L, B, H, Ka, S), b one-hot (L, B, H, Kb): a[..., k, ids[..., l]]
+    ids = jnp.broadcast_to(b.ids[..., None, :], (*a.values.shape[:4], b.ids.shape[3]))
+    return jnp.take_along_axis(a.values, ids, axis=4)
 
 
 def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
-    """``<g1, g2>`` per example (scaled by the factors' exponents) by the Gram route."""
-    return jnp.einsum("bhkl,bhkl->b", gram(x1, x2, acc), gram(y1, y2, acc), precision=HIGHEST)
+    """``<g1, g2>`` per layer and example (scaled by the factors' exponents), by the Gram
+    route."""
+    # (the barrier: XLA on the CPU otherwise fuses both Grams and their product into one loop,
+    # 1.5 to 2 times slower than the three apart)
+    p, q = lax.optimization_barrier((gram(x1, x2, acc), gram(y1, y2, acc)))
+    return jnp.sum(p * q, axis=(2, 3, 4))
 
 
 def self_term(x: Factor, y: Factor, acc):
-    """``||g||^2`` per example: directly (``sum_k x_k y_k^T``, then its squares) where that
-    takes fewer operations than the Gram route, else by the Gram route."""
+    """``||g||^2`` per layer and example: directly (``sum_k x_k y_k^T``, then its squares)
+    where that takes fewer operations than the Gram route, else by the Gram route."""
     if x.values is not None and y.values is not None:
-        _, _, k, c = x.values.shape
-        f = y.values.shape[3]
+        k, c = x.values.shape[3:]
+        f = y.values.shape[4]
         if k * (c + f) > c * f:
-            g = jnp.einsum("bhkc,bhkf->bhcf", x.values, y.values, precision=HIGHEST)
-            return jnp.sum(jnp.square(g), axis=(1, 2, 3))
+            g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=HIGHEST)
+            return jnp.sum(jnp.square(lax.optimization_barrier(g)), axis=(2, 3, 4))
     return pair_term(x, y, x, y, acc)
 
 
-def leaf_terms(uses, acc):
-    """``(exponent, value)`` of one leaf's squared per-example norm from its uses' factors
-    ``[(x, y, exponent)]`` (already aligned to one layout): the sum over every pair of uses."""
-    exponents = [e for _, _, e in uses]
-    top = exponents[0]
-    for e in exponents[1:]:
+def safe(x: Factor, y: Factor):
+    """Per layer and example (``(L, B)``): True where the use's terms can be computed without
+    dividing its factors by their magnitudes: no product or sum of them overflows float32, and
+    the products small enough to flush to zero add up to less than ``2**-26`` of its largest.
+    Zero and non-finite factors are safe (their terms are 0, or not finite, either way)."""
+    (_, _, h, k, sx), sy = x.shape, y.shape[4]
+    size = math.log2(h * k * k * (sx + 1) * (sy + 1))
+    ex, ey = x.exponent, y.exponent
+    both = 2 * (ex + ey)
+    fits = (both + size <= 120) & (both >= size - 96)
+    for e, s in ((ex, sx), (ey, sy)):  # each factor's own Gram
+        fits &= (2 * e + math.log2(s) <= 120) & (2 * e >= math.log2(s + 1) - 98)
+    return fits | (ex == ZERO_EXPONENT) | (ey == ZERO_EXPONENT)
+
+
+def leaf_terms(uses, acc, scaled: bool = True):
+    """``(exponent, value)`` of one leaf's squared norm per layer and example, shape ``(L,
+    B)``, from its uses' factors ``[(x, y)]`` (aligned to one layout): the sum over every pair
+    of uses. With `scaled`, each factor is first divided by its magnitude (exact at every
+    magnitude); without, the exponent is 0 (where every use is `safe`, the same values: a
+    power of two divides exactly)."""
+    if scaled:
+        uses = [(x.scaled(), y.scaled(), x.exponent + y.exponent) for x, y in uses]
+    else:
+        zero = jnp.zeros_like(uses[0][1].exponent)  # (split over a mesh like the batch)
+        uses = [(x, y, zero) for x, y in uses]
+    top = uses[0][2]
+    for _, _, e in uses[1:]:
         top = jnp.maximum(top, e)
     total: Any = 0
     for i, (xi, yi, ei) in enumerate(uses):
@@ -192,9 +275,15 @@ def leaf_terms(uses, acc):
                 term = self_term(xi, yi, acc)
             else:
                 term = 2 * pair_term(xi, yi, xj, yj, acc)
-            term = jnp.ldexp(term, ei + ej - 2 * top)
-            total = total + term
+            total = total + (jnp.ldexp(term, ei + ej - 2 * top) if scaled else term)
     return top, jnp.maximum(total, 0)
+
+
+def over_layers(term):
+    """The sum over the layers (axis 0) of squared norms given as ``(exponent, value)``."""
+    exponent, value = term
+    top = jnp.max(exponent, axis=0)
+    return top, jnp.sum(jnp.ldexp(value, 2 * (exponent - top)), axis=0)
 
 
 def add_terms(terms):

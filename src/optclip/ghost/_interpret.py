@@ -1,15 +1,18 @@
 """The per-example loss evaluated equation by equation, with taps at the sites.
 
-At every site (`_trace.Site`) the equation's floating-point outputs get a tap added (zero in
-value: its gradient is the output gradient of that example at that site) and the operands that
-are not parameter views are recorded (the activations, the indices of a lookup). Calls with
-sites inside are evaluated inline; rematerialised blocks stay rematerialised
-(`jax.checkpoint` of the same evaluation, with their taps in and their records out).
+At every tapped site (a use of a ghost leaf, `_leaves.ghost_sites`) the equation's
+floating-point outputs get a tap (`tap`: its gradient is the output gradient of that example at
+that site) and the operands that are not parameter views are recorded (the
+activations, the indices of a lookup). Calls with sites inside are evaluated inline;
+rematerialised blocks stay rematerialised (`jax.checkpoint` of the same evaluation, with their
+taps in and their records out); a `scan` stacks its records like its ``ys``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +20,52 @@ from jax import lax
 from jax.extend import core as jcore
 
 from optclip.ghost import _trace
+
+
+@dataclasses.dataclass
+class Tapped:
+    """What the tapped pass gives: the losses and aux; `records` and `grads` (the output
+    gradients, a tuple per site) of the tapped sites, laid out ``(*levels, B, ...)`` (the layers
+    of the scans the site is inside, then the examples, as a scan stacks them: the examples'
+    axis of each is in `axes`, by record key and by site id); the materialised leaves'
+    per-example gradients ``{leaf: (B, *shape)}``; the leaves' plans and values."""
+
+    losses: Any
+    aux: Any
+    records: dict
+    grads: dict
+    example_grads: dict
+    plans: list
+    leaves: list
+    axes: dict  # {"records": {key: axis}, "grads": {site id: axis}}
+
+    @property
+    def size(self) -> int:
+        return self.losses.shape[0]
+
+    @property
+    def one_by_one(self) -> bool:
+        """Whether the examples can be taken one at a time (`example`): not when JAX's explicit
+        sharding splits the batch over a mesh (a slice of one example would be split too)."""
+        spec = getattr(getattr(jax.typeof(self.losses), "sharding", None), "spec", None)
+        return not spec or spec[0] is None
+
+    def example(self, b) -> Tapped:
+        """The same for example `b` alone (a batch of one; `b` may be traced; see
+        `one_by_one`)."""
+
+        def cut(x, axis):
+            return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)
+
+        records = {k: cut(x, self.axes["records"][k]) for k, x in self.records.items()}
+        grads = {
+            i: tuple(cut(g, self.axes["grads"][i]) for g in gs) for i, gs in self.grads.items()
+        }
+        example_grads = {k: cut(g, 0) for k, g in self.example_grads.items()}
+        losses = cut(self.losses, 0)
+        return dataclasses.replace(
+            self, losses=losses, records=records, grads=grads, example_grads=example_grads
+        )
 
 
 def bind(eqn, invals):
@@ -31,6 +80,27 @@ def bind(eqn, invals):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+@jax.custom_vjp
+def tap(y, t):
+    """`y`, whose gradient is also `t`'s: the output gradient at a site comes out as the
+    gradient of its tap `t` (zeros of `y`'s shape), which the forward pass never reads (unlike
+    ``y + t``, nothing of `t`'s size is formed)."""
+    del t
+    return y
+
+
+def _tap_forward(y, t):
+    del t
+    return y, None
+
+
+def _tap_backward(_, g):
+    return g, g
+
+
+tap.defvjp(_tap_forward, _tap_backward)
+
+
 def float_outputs(eqn):
     """The indices of `eqn`'s floating-point outputs (the ones tapped)."""
     return [
@@ -40,17 +110,18 @@ def float_outputs(eqn):
     ]
 
 
-def zero_taps(plan):
-    """One example's taps: ``{site id: tuple of zeros, one per floating output}``."""
-    taps = {}
-    for site in plan.all_sites():
-        taps[site.id] = tuple(
-            jnp.zeros(
+def tap_shapes(sites):
+    """One example's taps of `sites` (``{id: site}``): ``{site id: tuple of
+    ShapeDtypeStruct}``, one per floating output, stacked along the scans the site is in."""
+    return {
+        i: tuple(
+            jax.ShapeDtypeStruct(
                 (*site.stack, *site.eqn.outvars[j].aval.shape), site.eqn.outvars[j].aval.dtype
             )
             for j in float_outputs(site.eqn)
         )
-    return taps
+        for i, site in sites.items()
+    }
 
 
 def site_records(site, records):
@@ -65,8 +136,9 @@ def recorded_positions(site):
 
 
 def run(jaxpr, consts, args, plan, taps, records):
-    """Evaluates `jaxpr` on `args` with the taps of `plan`'s sites, filling `records`
-    (``{record key: recorded operand}``, see `site_records`). Returns the outputs."""
+    """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
+    sites, filling `records` (``{record key: recorded operand}``, see `site_records`) with
+    theirs. Returns the outputs."""
     env: dict = {}
 
     def read(v):
@@ -78,16 +150,17 @@ def run(jaxpr, consts, args, plan, taps, records):
         env[v] = x
     for index, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
-        if index in plan.subplans:
-            outs = _call(eqn, plan.subplans[index], invals, taps, records)
+        subplan = plan.subplans.get(index)
+        if subplan is not None and any(site.id in taps for site in subplan.all_sites()):
+            outs = _call(eqn, subplan, invals, taps, records)
         else:
             outs = bind(eqn, invals)
             site = plan.sites.get(index)
-            if site is not None:
+            if site is not None and site.id in taps:
                 for key, i in zip(site.records, recorded_positions(site), strict=True):
                     records[key] = invals[i]
-                for tap, j in zip(taps[site.id], float_outputs(eqn), strict=True):
-                    outs[j] = outs[j] + tap
+                for t, j in zip(taps[site.id], float_outputs(eqn), strict=True):
+                    outs[j] = tap(outs[j], t)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
@@ -100,7 +173,7 @@ def _scan(eqn, subplan, invals, taps, records):
     params = eqn.params
     body = params["jaxpr"]
     consts, carry = params["num_consts"], params["num_carry"]
-    ids = [site.id for site in subplan.all_sites()]
+    ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def step(state, x):
         xs, step_taps = x
@@ -128,7 +201,7 @@ def _call(eqn, subplan, invals, taps, records):
     jaxpr, consts = _trace.sub_jaxpr(eqn)
     if eqn.primitive.name not in _trace.REMATS:
         return run(jaxpr, consts, invals, subplan, taps, records)
-    ids = [site.id for site in subplan.all_sites()]
+    ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def block(invals, block_taps):
         block_records: dict = {}

@@ -1,12 +1,13 @@
 """Each parameter leaf's per-example gradient norm: ghost where every use has a closed form, else
 from its per-example gradient, materialised for that leaf only.
 
-A leaf goes *ghost* when every use is a dense or embedding site and all of them share one
-layout (or its transpose: the input and output embeddings of a tied model); its squared norm is
-then the sum over every pair of uses (`_factors.leaf_terms`, the cross terms included). Any other
-leaf is *materialised*: each use's per-example gradient is that equation's VJP for that example
-(`jax.vmap` of `jax.vjp` of the one equation, with the example's recorded operands and output
-gradient), pulled back through the view's chain and summed over uses; its squared norm is summed in
+A leaf goes *ghost* when every use is a dense, embedding or convolution site and all of them
+share one layout (or its transpose: the input and output embeddings of a tied model); its
+squared norm is then the sum over every pair of uses (`_factors.leaf_terms`, the cross terms
+included), from the records and output gradients of its sites. Any other leaf is
+*materialised*: the tapped pass gives each example its own copy of that leaf (the leaf plus a
+per-example zero, `Deltas`), so that the backward pass yields each example's gradient of the
+leaf, every use summed, and nothing of its sites is recorded; its squared norm is summed in
 float32 after a power-of-two rescaling per example (`_factors.sum_of_squares`: exact at every
 magnitude, where `_per_example.example_norms` trusts a sum whose squares all flushed).
 """
@@ -18,8 +19,9 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from optclip import _norm_rules
+from optclip import _checks, _norm_rules
 from optclip.ghost import _factors, _interpret, _trace
 
 
@@ -79,8 +81,21 @@ def _leaf_plan(uses) -> LeafPlan:
     return LeafPlan("ghost", uses, swapped, why, list(groups.values()))
 
 
+def ghost_sites(leaf_plans) -> dict:
+    """``{site id: site}`` of the sites the tapped pass taps and records: the uses of the ghost
+    leaves (each such site uses one leaf)."""
+    return {
+        site.id: site for plan in leaf_plans if plan.mode == "ghost" for site, _, _ in plan.uses
+    }
+
+
+def materialised(leaf_plans) -> list[int]:
+    """The leaves whose per-example gradients the tapped pass forms."""
+    return [i for i, plan in enumerate(leaf_plans) if plan.mode == "materialised"]
+
+
 def _factors_of(site, pos, records, grads, acc):
-    """A dense or embed use's factors ``(x, y, exponent)``."""
+    """A dense, convolution or embed use's factors ``(x, y)``."""
     record = _interpret.site_records(site, records)[0]
     grad = grads[site.id][0]
     if site.kind == "dense":
@@ -89,26 +104,33 @@ def _factors_of(site, pos, records, grads, acc):
         return _factors.dense_factors(record, grad, site.eqn, pos, acc, sliced)
     if site.kind == "conv":
         return _factors.conv_factors(record, grad, site.eqn, acc)
-    row = _trace.embed_rows(site.eqn, pos)
-    assert row is not None  # (an embed site is a lookup of rows)
-    return _factors.embed_factors(record, grad, site.eqn, row, acc)
+    found = _trace.lookup(site.eqn, pos)
+    assert found is not None  # (an embed site is a lookup of rows)
+    return _factors.embed_factors(record, grad, site.eqn, found, acc)
 
 
-def ghost_terms(leaf_plan, records, grads, acc):
-    """``(exponent, value)`` of a ghost leaf's squared per-example norms."""
+def ghost_uses(leaf_plan, records, grads, acc):
+    """A ghost leaf's uses' factors ``[(x, y)]``, aligned to the first use's layout."""
     uses = []
     for (site, pos, _), swap in zip(leaf_plan.uses, leaf_plan.swapped, strict=True):
-        x, y, e = _factors_of(site, pos, records, grads, acc)
-        uses.append((y, x, e) if swap else (x, y, e))
+        x, y = _factors_of(site, pos, records, grads, acc)
+        uses.append((y, x) if swap else (x, y))
+    return uses
+
+
+def ghost_terms(leaf_plan, uses, acc, scaled: bool):
+    """``(exponent, value)`` of a ghost leaf's squared per-example norms from its `uses`."""
     # Uses of different single indices of a dimension are orthogonal: no cross term.
-    terms = [_factors.leaf_terms([uses[i] for i in group], acc) for group in leaf_plan.groups]
+    terms = [
+        _factors.over_layers(_factors.leaf_terms([uses[i] for i in group], acc, scaled))
+        for group in leaf_plan.groups
+    ]
     return _factors.add_terms(terms)
 
 
 def equation(site):
-    """``f(record, *views)``: `site`'s equation on one example's recorded operands and the
-    views, at every iteration of the scans it is inside (all stacked along leading axes),
-    returning its floating-point outputs."""
+    """``f(record, *views)``: `site`'s equation for one example at one iteration of the scans
+    it is inside, returning its floating-point outputs."""
     positions = [pos for pos, _ in site.views]
     recorded = _interpret.recorded_positions(site)
     outputs = _interpret.float_outputs(site.eqn)
@@ -122,8 +144,6 @@ def equation(site):
         outs = _interpret.bind(site.eqn, invals)
         return [outs[j] for j in outputs]
 
-    for _ in site.stack:
-        f = jax.vmap(f)
     return f
 
 
@@ -136,45 +156,50 @@ def pull_back(site, leaves, cotangents):
     return out
 
 
-def site_gradients(site, leaves, records, grads, spmd_axis_name=None):
-    """Every example's gradient of each parameter leaf `site` uses, from that one equation
-    (at every iteration of the scans it is inside): ``{leaf index: (B, *leaf.shape)}``."""
-    values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
-    f = equation(site)
-
-    def one(record, grad):
-        _, pull = jax.vjp(lambda *views: f(record, *views), *values)
-        return pull_back(site, leaves, pull(list(grad)))
-
-    record = _interpret.site_records(site, records)
-    return jax.vmap(one, spmd_axis_name=spmd_axis_name)(record, grads[site.id])
-
-
-def materialised_gradients(leaf_plans, leaves, records, grads, spmd_axis_name=None):
-    """The per-example gradients ``{leaf index: (B, *shape)}`` of the materialised leaves."""
-    wanted = {i for i, p in enumerate(leaf_plans) if p.mode == "materialised"}
-    sites = {}
-    for i in sorted(wanted):
-        for site, _, _ in leaf_plans[i].uses:
-            sites[site.id] = site
-    out: dict = {}
-    for site in sites.values():
-        for leaf, g in site_gradients(site, leaves, records, grads, spmd_axis_name).items():
-            if leaf in wanted:
-                out[leaf] = g if leaf not in out else out[leaf] + g
-    return out
-
-
-def leaf_norm_terms(leaf_plans, leaves, records, grads, batch: int, spmd_axis_name=None):
-    """``(exponent, value)`` of every leaf's squared per-example norms, in leaf order."""
-    acc = _norm_rules.widest_accum_dtype([x.dtype for x in leaves] or [jnp.float32])
-    materialised = materialised_gradients(leaf_plans, leaves, records, grads, spmd_axis_name)
-    terms = []
-    for i, plan in enumerate(leaf_plans):
+def _terms(t, scaled: bool):
+    """Every leaf's ``(exponent, value)`` of its squared per-example norms (in leaf order)
+    from the tapped pass `t`, and whether computing them without dividing the factors by
+    their magnitudes is exact (`_factors.safe` for every use of every example)."""
+    acc = _norm_rules.widest_accum_dtype([x.dtype for x in t.leaves] or [jnp.float32])
+    checks, terms = [], []
+    for i, plan in enumerate(t.plans):
         if plan.mode == "ghost":
-            terms.append(ghost_terms(plan, records, grads, acc))
+            uses = ghost_uses(plan, t.records, t.grads, acc)
+            checks += [jnp.all(_factors.safe(x, y)) for x, y in uses]
+            terms.append(ghost_terms(plan, uses, acc, scaled))
         elif plan.mode == "materialised":
-            terms.append(_factors.sum_of_squares(materialised[i], acc))
+            f = _factors.squares(t.example_grads[i], acc)
+            checks.append(jnp.all(_factors.safe_squares(f)))
+            terms.append(_factors.square_terms(f, scaled))
         else:
-            terms.append((jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), acc)))
-    return terms
+            zero = jnp.zeros_like(t.losses, acc)  # (split over a mesh like the batch)
+            terms.append((zero.astype(jnp.int32), zero))
+    return terms, (jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True))
+
+
+def leaf_norm_terms(t):
+    """``(exponent, value)`` of every leaf's squared per-example norms, in leaf order, from the
+    tapped pass `t` (`_interpret.Tapped`).
+
+    Computed on the factors as they are where every use of every example is safe (the common
+    case: no pass that divides the records and output gradients by their magnitudes), else
+    (one `lax.cond` for the batch; decided in Python when eager) one example after another,
+    each factor divided by its magnitude: exact at every magnitude, the same values where both
+    are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
+    terms, safe = _terms(t, scaled=False)
+    if not _checks.is_traced(safe):
+        return terms if bool(safe) else _scaled(t)
+    return lax.cond(safe, lambda: terms, lambda: _scaled(t))
+
+
+def _scaled(t):
+    """Every leaf's terms with each factor divided by its magnitude, one example after another
+    (or the whole batch at once where the batch is split over a mesh: `Tapped.one_by_one`)."""
+    if not t.one_by_one:
+        return _terms(t, scaled=True)[0]
+
+    def one(b):
+        terms, _ = _terms(t.example(b), scaled=True)
+        return [(e[0], v[0]) for e, v in terms]
+
+    return lax.map(one, jnp.arange(t.size))

@@ -131,54 +131,73 @@ def batch_axis_spec(like):
     return spec[0] if spec else None
 
 
-def batch_zeros(one, like):
-    """Zeros of `one`'s shape and dtype for every example, split over the mesh like the
-    batch `like` (explicit sharding refuses to `vmap` differently split inputs together)."""
-    shape = (like.shape[0], *one.shape)
-    axis = batch_axis_spec(like)
-    if axis is None:
+def batch_zeros(one, like, axis: int = 0):
+    """Zeros of `one`'s shape and dtype for every example, the example axis at `axis`, split
+    over the mesh like the batch `like` (explicit sharding refuses to `vmap` differently split
+    inputs together)."""
+    shape = (*one.shape[:axis], like.shape[0], *one.shape[axis:])
+    split = batch_axis_spec(like)
+    if split is None:
         return jnp.zeros(shape, one.dtype)
-    return jnp.zeros(shape, one.dtype, out_sharding=jax.sharding.PartitionSpec(axis))
+    spec = jax.sharding.PartitionSpec(*([None] * axis), split)
+    return jnp.zeros(shape, one.dtype, out_sharding=spec)
 
 
-def tapped_pass(one, flat: Flat, s: Settings):
-    """The losses, aux, per-example records and output gradients at every site, and the
-    per-leaf plans: one forward pass and one backward pass (to the taps only)."""
+def tapped_pass(one, flat: Flat, s: Settings) -> _interpret.Tapped:
+    """One forward pass and one backward pass, to the taps at the ghost leaves' sites and to a
+    per-example copy of every materialised leaf (no weight gradient is formed)."""
     closed, out_shape, plan = trace(one, flat)
+    where = [i for i, p in enumerate(flat.params) if p]  # each parameter leaf in flat.leaves
+    leaves = [flat.leaves[i] for i in where]
+    plans = _leaves.plan_leaves(list(plan.all_sites()), len(leaves))
+    sites = _leaves.ghost_sites(plans)
+    first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
+    depth = {i: len(site.stack) for i, site in sites.items()}
+    taps = {
+        i: tuple(batch_zeros(t, first, depth[i]) for t in shapes)
+        for i, shapes in _interpret.tap_shapes(sites).items()
+    }
+    deltas = {k: batch_zeros(leaves[k], first) for k in _leaves.materialised(plans)}
 
-    def single(leaves, taps):
+    def single(flat_leaves, taps, deltas):
+        flat_leaves = list(flat_leaves)
+        for k, delta in deltas.items():  # each example's own copy of a materialised leaf
+            flat_leaves[where[k]] = flat_leaves[where[k]] + delta
         records: dict = {}
-        outs = _interpret.run(closed.jaxpr, closed.consts, leaves, plan, taps, records)
+        outs = _interpret.run(closed.jaxpr, closed.consts, flat_leaves, plan, taps, records)
         return outs, records
 
-    first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
-    taps = jax.tree.map(lambda z: batch_zeros(z, first), _interpret.zero_taps(plan))
-    axes = [0 if b else None for b in flat.batched]
-    mapped = _vmap(single, (axes, 0), s)
+    in_axes = [0 if b else None for b in flat.batched]
+    tap_axes = {i: (depth[i],) * len(t) for i, t in taps.items()}
+    record_axes = {key: depth[i] for i, site in sites.items() for key in site.records}
+    mapped = jax.vmap(
+        single,
+        in_axes=(in_axes, tap_axes, 0),
+        out_axes=(0, record_axes),
+        spmd_axis_name=s.spmd_axis_name,
+    )
 
-    def total(taps):
-        outs, records = mapped(flat.leaves, taps)
+    def total(taps, deltas):
+        outs, records = mapped(flat.leaves, taps, deltas)
         return jnp.sum(outs[0]), (outs, records)
 
-    grads, (outs, records) = jax.grad(total, has_aux=True)(taps)
+    (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
-    param_leaves = [x for x, p in zip(flat.leaves, flat.params, strict=True) if p]
-    plans = _leaves.plan_leaves(list(plan.all_sites()), len(param_leaves))
-    return losses, aux, records, grads, plans, param_leaves
+    axes = {"records": record_axes, "grads": depth}  # where each one's examples are
+    return _interpret.Tapped(losses, aux, records, grads, example_grads, plans, leaves, axes)
 
 
 def ghost_pass(one, args, kwargs, padding, s: Settings):
     """Ghost norms, then the clipped sum by book-keeping (`_sums`): from the same records and
     output gradients, with no second pass."""
-    losses, aux, records, grads, plans, leaves = tapped_pass(one, flatten(args, kwargs, s), s)
-    size = losses.shape[0]
-    terms = _leaves.leaf_norm_terms(plans, leaves, records, grads, size, s.spmd_axis_name)
-    norms = _factors.combine(terms) if terms else jnp.zeros((size,), jnp.float32)
-    w, keep, _ = weights(lax.stop_gradient(norms), padding, s)
-    sums = _sums.clipped_sums(plans, leaves, records, grads, w, keep, s.spmd_axis_name)
+    t = tapped_pass(one, flatten(args, kwargs, s), s)
+    terms = _leaves.leaf_norm_terms(t)
+    norms = _factors.combine(terms) if terms else jnp.zeros((t.size,), jnp.float32)
+    w, keep, finite = weights(lax.stop_gradient(norms), padding, s)
+    sums = _sums.clipped_sums(t, w, keep, finite, s.spmd_axis_name)
     if s.dtype is not None:
         sums = [g.astype(s.dtype) for g in sums]
-    return _as_grads(sums, args, s), norms, losses, aux
+    return _as_grads(sums, args, s), norms, t.losses, t.aux
 
 
 def _as_grads(leaves, args, s: Settings):

@@ -3,61 +3,116 @@ with no second backward pass.
 
 .. math:: \sum_b w_b\, g_b = \sum_{\text{sites}} \mathrm{VJP}_{\text{site}}\big(w \odot G\big)
 
-For every site, the VJP of its equation over the whole batch (the recorded operands batched,
-the parameter views not) with respect to the views, at each example's output gradient times
-its factor: the batch is contracted inside the VJP (for a dense layer one matrix product
-``A^T (w G)``, as in ordinary backpropagation), then carried back to the leaf through the
-view's chain. A dropped example's records and output gradients are zeroed first (``0 * inf``
-would be NaN).
+For every site of a ghost leaf, the VJP of its equation over the whole batch (the recorded
+operands batched, the parameter views not; over the layers of the scans it is inside) with
+respect to the views, each example's terms weighted by its factor: the batch is contracted
+inside the VJP (for a dense layer one matrix product ``A^T (w G)``, as in ordinary
+backpropagation), then carried back to the leaf through the view's chain. A dense layer or a
+convolution is bilinear, so the factor goes on whichever of its input and output gradient is
+smaller (``(w A)^T G``, no copy of the larger). The materialised leaves' sums are their
+per-example gradients contracted with the factors (`_per_example._sums`).
+
+A dropped example (padding, or a non-finite one with `nan_safe`) has factor 0, but ``0 * inf``
+is NaN: when a dropped example's norm is not finite, the sums are taken one example after
+another, each dropped example's records and output gradients zeroed first (a second path, taken
+only then, whose copies are one example's). An example whose norm is finite has finite records
+and output gradients at every ghost site: each of them enters its norm.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax import lax
 
+from optclip import _checks, _per_example
 from optclip.ghost import _interpret, _leaves
 
 
-def _weighted(g, w, keep):
-    """``w_b * g_b`` (rounded once to `g`'s dtype), zero for dropped examples."""
-    shape = (-1,) + (1,) * (g.ndim - 1)
-    work = jnp.float32 if jnp.finfo(g.dtype).bits < 32 else g.dtype
-    scaled = (g.astype(work) * w.astype(work).reshape(shape)).astype(g.dtype)
-    return jnp.where(keep.reshape(shape), scaled, jnp.zeros((), g.dtype))
+def _at(v, x, axis: int):
+    """`v` (shape (B,)) shaped to broadcast along axis `axis` of `x`."""
+    return v.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
 
 
-def _kept(x, keep):
+def _weighted(x, w, axis: int):
+    """``w_b * x_b`` along `axis`, rounded once to `x`'s dtype."""
+    work = jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
+    return (x.astype(work) * _at(w, x, axis).astype(work)).astype(x.dtype)
+
+
+def _kept(x, keep, axis: int):
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
-    return jnp.where(keep.reshape((-1,) + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+    return jnp.where(_at(keep, x, axis), x, jnp.zeros((), x.dtype))
 
 
-def site_sum(site, leaves, records, grads, w, keep, spmd_axis_name=None):
-    """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone."""
+def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None):
+    """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone;
+    with `keep`, the other examples' records and output gradients are zeroed first."""
+    depth = len(site.stack)
     values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
-    record = [_kept(x, keep) for x in _interpret.site_records(site, records)]
-    cotangent = [_weighted(g, w, keep) for g in grads[site.id]]
-    f = _leaves.equation(site)
-    batched = jax.vmap(
-        f,
+    record = list(_interpret.site_records(site, records))
+    cotangent = list(grads[site.id])
+    if keep is not None:
+        record = [_kept(x, keep, depth) for x in record]
+        cotangent = [_kept(g, keep, depth) for g in cotangent]
+    bilinear = site.kind in ("dense", "conv") and len(record) == 1 and len(cotangent) == 1
+    if bilinear and record[0].size < cotangent[0].size:
+        record[0] = _weighted(record[0], w, depth)
+    else:
+        cotangent = [_weighted(g, w, depth) for g in cotangent]
+    f = jax.vmap(
+        _leaves.equation(site),
         in_axes=(0, *([None] * len(values))),
-        axis_size=w.shape[0],  # (a site may record nothing: a reduction of a parameter)
+        axis_size=w.shape[0],  # (a site may record nothing)
         spmd_axis_name=spmd_axis_name,
     )
-    _, pull = jax.vjp(lambda *views: batched(record, *views), *values)
+    for length in reversed(site.stack):  # the layers of the scans, outermost first
+        f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
+    _, pull = jax.vjp(lambda *views: f(record, *views), *values)
     return _leaves.pull_back(site, leaves, pull(cotangent))
 
 
-def clipped_sums(leaf_plans, leaves, records, grads, w, keep, spmd_axis_name=None):
-    """Every leaf's ``sum_b w_b g_b`` (zeros for an unused leaf), in leaf order."""
-    sites = {}
-    for plan in leaf_plans:
-        for site, _, _ in plan.uses:
-            sites[site.id] = site
-    out = [jnp.zeros_like(leaf) for leaf in leaves]
-    for site in sites.values():
-        parts = site_sum(site, leaves, records, grads, w, keep, spmd_axis_name)
+def _ghost_sums(t, w, keep=None, spmd_axis_name=None):
+    out = [jnp.zeros_like(leaf) for leaf in t.leaves]
+    for site in _leaves.ghost_sites(t.plans).values():
+        parts = site_sum(site, t.leaves, t.records, t.grads, w, keep, spmd_axis_name)
         for leaf, g in parts.items():
             out[leaf] = out[leaf] + g.astype(out[leaf].dtype)
+    return out
+
+
+def _one_by_one(t, w, keep):
+    """`_ghost_sums` one example after another, each dropped example's records and output
+    gradients zeroed first (slices of one example: no copy of the batch's); where the batch is
+    split over a mesh (`Tapped.one_by_one`), the whole batch at once, zeroed."""
+    if not t.one_by_one:
+        return _ghost_sums(t, w, keep)
+
+    def step(total, b):
+        cut = lambda v: lax.dynamic_slice_in_dim(v, b, 1)  # noqa: E731
+        parts = _ghost_sums(t.example(b), cut(w), cut(keep))
+        return [a + p for a, p in zip(total, parts, strict=True)], None
+
+    zeros = [jnp.zeros_like(leaf) for leaf in t.leaves]
+    return lax.scan(step, zeros, jnp.arange(t.size))[0]
+
+
+def clipped_sums(t, w, keep, finite, spmd_axis_name=None):
+    """Every leaf's ``sum_b w_b g_b`` (zeros for an unused leaf), in leaf order, from the
+    tapped pass `t` (`_interpret.Tapped`): `w` are the factors, `keep` the examples kept,
+    `finite` those of finite norm."""
+    plain = functools.partial(_ghost_sums, t, w, None, spmd_axis_name)
+    zeroed = functools.partial(_one_by_one, t, w, keep)
+    clean = jnp.all(keep | finite)  # no dropped example has a non-finite record
+    if not _checks.is_traced(clean):
+        out = plain() if bool(clean) else zeroed()
+    else:
+        out = lax.cond(clean, plain, zeroed)
+    wanted = sorted(t.example_grads)
+    sums = _per_example._sums([t.example_grads[k] for k in wanted], lambda i: w, keep, "zero")
+    for k, g in zip(wanted, sums, strict=True):
+        out[k] = out[k] + g.astype(out[k].dtype)
     return out

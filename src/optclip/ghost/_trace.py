@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -296,41 +296,59 @@ def _conv(site_id: int, eqn, used) -> Site:
     return Site(site_id, eqn, used, "conv", "convolution: ghost norm from patches", layout)
 
 
-def embed_rows(eqn, pos: int) -> int | None:
-    """The row dimension of an embedding lookup (`gather` of whole rows of a 2-D operand by
-    one index per row, `jnp.take(table, ids, axis=...)`), else None."""
+class Lookup(NamedTuple):
+    """An embedding lookup: the table's `row` dimension, and the positions in each index vector
+    of the row's index and (where the index vector also names the other dimension, always
+    starting at 0 since its slice is whole, as ``jax.vmap(lambda i: table[i])`` writes it) of
+    the column's, else None."""
+
+    row: int
+    row_index: int
+    column_index: int | None
+
+
+def lookup(eqn, pos: int) -> Lookup | None:
+    """How a `gather` of operand `pos` looks up whole rows of a 2-D table, one index per row
+    (``table[ids]``, ``jnp.take(table, ids, axis=...)``, ``jax.vmap(lambda i: table[i])``),
+    each row's features last in the output; else None."""
     numbers = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
     out_ndim = len(eqn.outvars[0].aval.shape)
-    if pos != 0 or len(shape) != 2 or numbers.operand_batching_dims:
-        return None
-    if len(numbers.collapsed_slice_dims) != 1:
-        return None
-    row = numbers.collapsed_slice_dims[0]
-    sizes = tuple(eqn.params["slice_sizes"])
-    full = tuple(1 if d == row else shape[d] for d in range(2))
     indices = eqn.invars[1].aval.shape
+    starts = tuple(numbers.start_index_map)
+    if pos != 0 or len(shape) != 2 or numbers.operand_batching_dims or not indices:
+        return None
+    collapsed = tuple(numbers.collapsed_slice_dims)
+    if len(collapsed) == 1:
+        row = collapsed[0]
+        offsets: tuple = (out_ndim - 1,)
+    elif not collapsed and tuple(eqn.params["slice_sizes"])[0] == 1:
+        row, offsets = 0, (out_ndim - 2, out_ndim - 1)  # the row's slice dimension kept (size 1)
+    else:
+        return None
+    full = tuple(1 if d == row else shape[d] for d in range(2))
     if (
-        tuple(numbers.start_index_map) != (row,)
-        or sizes != full
-        or not indices
-        or indices[-1] != 1
-        or tuple(numbers.offset_dims) != (out_ndim - 1,)
+        tuple(eqn.params["slice_sizes"]) != full
+        or row not in starts
+        or not set(starts) <= {0, 1}
+        or indices[-1] != len(starts)
+        or tuple(numbers.offset_dims) != offsets
     ):
         return None
-    return row
+    column = starts.index(1 - row) if 1 - row in starts else None
+    return Lookup(row, starts.index(row), column)
 
 
 def _embed(site_id: int, eqn, used) -> Site:
     pos, view = used[0]
-    row = embed_rows(eqn, pos) if len(used) == 1 and not view.depth else None
-    mapped = view.leaf_dims() if row is not None else None
-    if row is None or mapped is None or len(mapped[0]) != 2:
+    found = lookup(eqn, pos) if len(used) == 1 and not view.depth else None
+    mapped = view.leaf_dims() if found is not None else None
+    if found is None or mapped is None or len(mapped[0]) != 2:
         return _fallback(
             site_id, eqn, used, "is not a lookup of whole rows of a parameter outside a scan"
         )
     dims, _, pins = mapped
-    layout = ((), (dims[row],), (dims[1 - row],), pins)
+    layout = ((), (dims[found.row],), (dims[1 - found.row],), pins)
     return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
 
 
