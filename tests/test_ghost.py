@@ -92,6 +92,43 @@ def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkey
     assert_tree_close(scaled[0], jax.tree.map(np.asarray, common[0]), rtol=1e-6)
 
 
+@settings(max_examples=80, deadline=None)
+@given(
+    shifts=st.tuples(st.integers(-75, 75), st.integers(-75, 75)),
+    sizes=st.tuples(st.integers(1, 6), st.integers(1, 5), st.integers(1, 5)),
+    seed=st.integers(0, 2**31),
+)
+def test_norms_are_computed_unscaled_only_where_that_is_exact(shifts, sizes, seed):
+    # One use's factors x (K, Sx) and y (K, Sy) at magnitudes 2**shift: wherever
+    # `_factors.safe` lets the norm be computed on them as they are, it equals the float64
+    # norm of sum_k x_k (outer) y_k to float32 rounding, as the scaled computation always does;
+    # and at ordinary magnitudes it does let it.
+    from optclip.ghost import _factors
+
+    k, sx, sy = sizes
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(1, 3, 1, k, sx)) * 2.0 ** shifts[0]
+    y = rng.normal(size=(1, 3, 1, k, sy)) * 2.0 ** shifts[1]
+    x, y = np.float32(x), np.float32(y)
+    expected = np.sqrt(
+        np.sum(np.einsum("lbhkc,lbhkf->lbcf", np.float64(x), np.float64(y)) ** 2, axis=(2, 3))
+    )
+    fx, fy = (_factors.factor(jnp.asarray(a), jnp.float32) for a in (x, y))
+    safe = np.asarray(_factors.safe(fx, fy))
+    if max(map(abs, shifts)) <= 10:
+        assert safe.all()
+    for scaled in (True, False):
+        e, v = _factors.leaf_terms([(fx, fy)], jnp.float32, scaled)
+        got = np.float64(np.asarray(jnp.ldexp(jnp.sqrt(v), e)))
+        where = np.ones_like(safe) if scaled else safe
+        # (a norm past float32's range is inf, and one below its normal numbers flushes to 0,
+        # as everywhere in optclip)
+        info = np.finfo(np.float32)
+        want = np.where(expected > info.max, np.inf, expected)
+        want = np.where(expected < info.tiny, 0.0, want)
+        np.testing.assert_allclose(got[where], want[where], rtol=2e-6, atol=info.tiny)
+
+
 def test_zero_gradient_gives_no_nan():
     loss, params, x = gm.mlp(np.random.default_rng(3))
     linear = lambda p, x: jnp.sum(x @ p["w1"])  # noqa: E731

@@ -124,9 +124,10 @@ def clipped_grad(
     (ghost clipping), the cross terms of a parameter used more than once (tied embeddings)
     included; nested ``jit``, ``checkpoint`` and ``lax.scan`` (stacked layers, weights shared
     across steps) are seen through. A parameter used by any other operation (a bias, a scale,
-    ``sin(w)``, a ``cond``...) has its per-example gradient materialised, that leaf only, from
-    that operation alone. The clipped sum comes from the same inputs and output gradients,
-    each example's weighted by its factor (book-keeping: no second backward pass). ``method="vmap"``
+    ``sin(w)``, a ``cond``...) has its per-example gradient materialised, that leaf only: the
+    backward pass gives it, each example having its own copy of that leaf. The clipped sum
+    comes from the same inputs and output gradients, each example's weighted by its factor
+    (book-keeping: no second backward pass). ``method="vmap"``
     materialises every per-example gradient (``jax.vmap(jax.grad(...))``) and clips it with
     :func:`per_example_clip`'s rules (the reference; like it, it reports 0 for an example whose
     gradient is entirely below ~1e-19, whose squares all flush). :func:`ghost_report` says

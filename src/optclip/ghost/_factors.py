@@ -85,11 +85,13 @@ def square_terms(f: Factor, scaled: bool = True):
 
 
 def safe_squares(f: Factor):
-    """Per example: True where `square_terms` needs no division by the magnitude (no square
-    or sum overflows; the squares that flush add up to less than ``2**-26`` of the sum)."""
+    """Per example: True where `square_terms` needs no division by the magnitude, by the bound
+    ``|x| < 2**e``: the sum of squares stays below ``2**100`` (`safe`'s room), and the squares
+    that flush (below ``2**-126``) add up to less than ``2**-26`` of the largest square's scale
+    ``2**(2e-2)``."""
     size = f.values.shape[4]
     e = f.exponent[0]
-    fits = (2 * e + math.log2(size) <= 120) & (2 * e >= math.log2(size + 1) - 98)
+    fits = (2 * e + math.log2(size) <= 100) & (2 * e >= math.log2(size + 1) - 98)
     return fits | (e == ZERO_EXPONENT)
 
 
@@ -240,16 +242,19 @@ def self_term(x: Factor, y: Factor, acc):
 
 def safe(x: Factor, y: Factor):
     """Per layer and example (``(L, B)``): True where the use's terms can be computed without
-    dividing its factors by their magnitudes: no product or sum of them overflows float32, and
-    the products small enough to flush to zero add up to less than ``2**-26`` of its largest.
-    Zero and non-finite factors are safe (their terms are 0, or not finite, either way)."""
+    dividing its factors by their magnitudes, by the bounds ``|x| < 2**ex``, ``|y| < 2**ey``:
+    no product or sum overflows float32, nor does a sum of up to ``2**27`` such terms (each
+    at most ``2**100``); and the products small enough to flush to zero (below ``2**-126``)
+    change it by less than ``2**-26`` of its largest product's scale, ``(2**(ex-1) *
+    2**(ey-1))**2``, by either route (the Grams', whose flushed entries are multiplied by the
+    other factor's, or the direct one's). Zero and non-finite factors are safe (their terms are
+    0, or not finite, either way)."""
     (_, _, h, k, sx), sy = x.shape, y.shape[4]
-    size = math.log2(h * k * k * (sx + 1) * (sy + 1))
+    size = math.log2(h * k * k * (sx + 1) * (sy + 1))  # >= log2 of every count of products
     ex, ey = x.exponent, y.exponent
-    both = 2 * (ex + ey)
-    fits = (both + size <= 120) & (both >= size - 96)
+    fits = (2 * (ex + ey) + size <= 100) & (2 * (ex + ey) >= size - 96) & (ex + ey >= size - 94)
     for e, s in ((ex, sx), (ey, sy)):  # each factor's own Gram
-        fits &= (2 * e + math.log2(s) <= 120) & (2 * e >= math.log2(s + 1) - 98)
+        fits &= (2 * e + math.log2(s) <= 110) & (2 * e >= size - 96)
     return fits | (ex == ZERO_EXPONENT) | (ey == ZERO_EXPONENT)
 
 

@@ -173,7 +173,7 @@ def sub_jaxpr(eqn):
     return inner, ()
 
 
-def _is_float(var) -> bool:
+def is_float(var) -> bool:
     dtype = getattr(var.aval, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
@@ -194,7 +194,7 @@ def analyse(jaxpr, views: dict, ids=None):
         if not used:
             continue
         name = eqn.primitive.name
-        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _is_float(eqn.outvars[0]):
+        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and is_float(eqn.outvars[0]):
             views[eqn.outvars[0]] = used[0][1].then(eqn)
             continue
         if name == "scan":
