@@ -1,6 +1,8 @@
 """Private training's cost: per-example clipped gradients against an ordinary gradient step.
 
     python benchmarks/private.py [--quick] [--json out.json] [--plot memory.png]
+    python benchmarks/private.py --only transformer --batches 64 256 --methods ghost
+    python benchmarks/private.py --markdown benchmarks/private_results.json  (the guide's table)
 
 Side by side in one process, for a transformer with scanned blocks (d=256, T=128, vocabulary
 8192, 4 blocks) and an MLP, at batch sizes 16, 64 and 256:
@@ -41,6 +43,7 @@ NON_PRIVATE = "jax.grad (non-private)"
 GHOST = "optclip.clipped_grad"
 JAX_PRIVACY = "jax_privacy.clipped_grad"
 VMAP = "vmap(grad) + per_example_clip"
+METHODS = {"ghost": GHOST, "jax_privacy": JAX_PRIVACY, "vmap": VMAP}  # (--methods)
 
 
 def contenders(loss, batch_size: int, n_params: int, budget_bytes: float) -> dict:
@@ -88,6 +91,8 @@ def peak_bytes(compiled) -> int:
 def measure(name, loss, params, batch, batch_size, args) -> list[dict]:
     n_params = models.parameter_count(params)
     made = contenders(loss, batch_size, n_params, args.budget_gib * 2**30)
+    wanted = {NON_PRIVATE} | {METHODS[m] for m in args.methods}
+    made = {name: step for name, step in made.items() if name in wanted}
     rows, runners, timed = [], [], []
     for method, (step, note) in made.items():
         start = time.perf_counter()
@@ -112,7 +117,7 @@ def measure(name, loss, params, batch, batch_size, args) -> list[dict]:
         if row["method"] in index:
             row["time_ratio"] = paired.ratio(index[row["method"]], index[NON_PRIVATE])
             row["time_iqr"] = paired.spread(index[row["method"]], index[NON_PRIVATE])
-    if JAX_PRIVACY in index:
+    if JAX_PRIVACY in index and GHOST in index:
         ghost = {r["method"]: r for r in rows}[GHOST]
         ghost["vs_jax_privacy"] = paired.ratio(index[JAX_PRIVACY], index[GHOST])
     return rows
@@ -139,6 +144,37 @@ def table(rows) -> str:
     return "\n".join(lines)
 
 
+def ratio(x: float) -> str:
+    """A ratio as the guide prints it: two decimals below 10, none above."""
+    return f"{x:.2f}x" if x < 10 else f"{x:.0f}x"
+
+
+def markdown(rows) -> str:
+    """The guide's table of a run (`--markdown`): per model and batch, ghost's memory and time,
+    jax_privacy's memory and time, the materialising clip's memory, as ratios to the
+    non-private step."""
+    lines = [
+        "| model, batch | `clipped_grad` memory | time | `jax_privacy.clipped_grad` memory "
+        "| time | `vmap(grad)` + clip memory |",
+        "|---|---|---|---|---|---|",
+    ]
+    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0] == "mlp", k[1]))
+    for model, batch in keys:
+        got = {r["method"]: r for r in rows if (r["model"], r["batch"]) == (model, batch)}
+        cells = []
+        for method, with_time in ((GHOST, True), (JAX_PRIVACY, True), (VMAP, False)):
+            row = got.get(method)
+            memory = ratio(row["peak_ratio"]) if row else "-"
+            if row and "microbatch" in row["note"]:
+                memory += f" (`{row['note'].split(';')[0]}`)"
+            cells.append(memory)
+            if with_time:
+                cells.append(ratio(row["time_ratio"]) if row and "time_ratio" in row else "-")
+        name = "MLP" if model == "mlp" else model
+        lines.append(f"| {name}, {batch} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(rows, path) -> None:
     import matplotlib
 
@@ -155,6 +191,8 @@ def plot(rows, path) -> None:
                 for r in rows
                 if r["model"] == model and r["method"] == method
             )
+            if not points:  # (a method left out by --methods)
+                continue
             ax.plot(*zip(*points), marker="o", label=method)
             for r in rows:
                 if r["model"] == model and r["method"] == method and "microbatch" in r["note"]:
@@ -200,11 +238,26 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--budget-gib", type=float, default=4.0)
     parser.add_argument("--run-limit-gib", type=float, default=12.0)
     parser.add_argument("--only", choices=["transformer", "mlp"], default=None)
+    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes")
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=sorted(METHODS),
+        default=sorted(METHODS),
+        help="the private methods run next to the non-private step (default: all)",
+    )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     parser.add_argument("--replot", type=pathlib.Path, default=None, help="plot a --json file")
+    parser.add_argument(
+        "--markdown", type=pathlib.Path, default=None, help="print a --json file's guide table"
+    )
     parser.add_argument("--plot", type=pathlib.Path, default=None, help="a .png or .svg file")
     args = parser.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
+    if args.markdown:
+        rows = json.loads(args.markdown.read_text())
+        print(markdown(rows))
+        return rows
     if args.replot:
         rows = json.loads(args.replot.read_text())
         plot(rows, args.plot)
@@ -215,6 +268,7 @@ def main(argv=None) -> list[dict]:
         batches = (4, 8)
     else:
         t_shape, m_shape, batches = models.TransformerShape(), models.MLPShape(), (16, 64, 256)
+    batches = tuple(args.batches) if args.batches else batches
     print(
         f"private training benchmark: jax {jax.__version__}, {where()} "
         f"({platform.processor() or platform.machine()}), {'quick' if args.quick else 'full'}",

@@ -86,22 +86,27 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         assert new.endswith("ms") and base.endswith("ms"), row
 
 
-@pytest.mark.slow
-def test_private_training_benchmark_runs_and_plots(tmp_path):
-    """benchmarks/private.py --quick: every method at both batch sizes of both models, memory
-    from the compiled programs (structural: the materialising methods need more than ghost
-    clipping on the MLP, whose per-example gradients dwarf its activations), and a plot."""
-    out, plot = tmp_path / "private.json", tmp_path / "private.svg"
+def run_private(tmp_path, *args):
+    """The rows `benchmarks/private.py` writes with `args` (a run of its own, bounded)."""
+    out = tmp_path / "private.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "private.py"), "--quick"]
-        + ["--json", str(out), "--plot", str(plot)],
+        [sys.executable, str(ROOT / "benchmarks" / "private.py"), *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_private_training_benchmark_runs_and_plots(tmp_path):
+    """benchmarks/private.py --quick: every method at both batch sizes of both models, memory
+    from the compiled programs (structural: the materialising methods need more than ghost
+    clipping on the MLP, whose per-example gradients dwarf its activations), and a plot."""
+    plot = tmp_path / "private.svg"
+    rows = run_private(tmp_path, "--quick", "--plot", str(plot))
     methods = {"jax.grad (non-private)", "optclip.clipped_grad", "jax_privacy.clipped_grad"}
     methods.add("vmap(grad) + per_example_clip")
     for model in ("transformer", "mlp"):
@@ -119,3 +124,34 @@ def test_private_training_benchmark_runs_and_plots(tmp_path):
     svg = plot.read_text()  # (matplotlib writes each text of the figure as a comment)
     for label in methods | {"transformer", "mlp", "batch size"}:
         assert label in svg, label
+
+
+def test_the_private_training_guide_shows_the_saved_run():
+    """The guide's cost table is the saved run's (`benchmarks/private_results.json`, the rows
+    `private.py --json` wrote), as `private.py --markdown` prints it, and its figure names
+    every method and model."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "private_bench", ROOT / "benchmarks" / "private.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = json.loads((ROOT / "benchmarks" / "private_results.json").read_text())
+    guide = (ROOT / "docs" / "guides" / "private-training.md").read_text(encoding="utf-8")
+    assert bench.markdown(rows) in guide
+    assert {(r["model"], r["batch"]) for r in rows} == {
+        (m, b) for m in ("transformer", "mlp") for b in (16, 64, 256)
+    }
+    svg = (ROOT / "docs" / "_static" / "private_memory.svg").read_text()
+    for label in {r["method"] for r in rows} | {"transformer", "mlp", "batch size"}:
+        assert label in svg, label
+
+
+@pytest.mark.slow
+def test_private_benchmark_runs_the_methods_and_batches_asked_for(tmp_path):
+    rows = run_private(tmp_path, "--quick", "--only", "mlp", "--batches", "4", "--methods", "ghost")
+    assert {(r["model"], r["batch"], r["method"]) for r in rows} == {
+        ("mlp", 4, "jax.grad (non-private)"),
+        ("mlp", 4, "optclip.clipped_grad"),
+    }

@@ -116,7 +116,7 @@ def _apart(eqn, positions):
     broadcast dimensions with the size-1 dimensions dropped first: XLA on the CPU runs ``sum_t
     G * x_hat`` over ``(B, 1, T, d)`` (the example's batch axis of one next to the summed one)
     some 70 times slower than over ``(B, T, d)``. The forward pass and its residuals are the
-    equation's own."""
+    equation's own (none for a sum or a difference)."""
     shape = eqn.outvars[0].aval.shape
     wide = [d for d, n in enumerate(shape) if n != 1]
 
@@ -124,10 +124,14 @@ def _apart(eqn, positions):
     def f(*invals):
         return bind(eqn, list(invals))
 
+    linear = eqn.primitive.name not in ("mul", "div")  # (its backward reads no operand)
+
     def forward(*invals):
-        return bind(eqn, list(invals)), invals
+        return bind(eqn, list(invals)), (None if linear else invals)
 
     def backward(invals, cotangents):
+        if linear:
+            invals = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.invars]
         full = [jnp.broadcast_to(x, shape) if i in positions else x for i, x in enumerate(invals)]
         _, pull = jax.vjp(lambda *xs: bind(eqn, list(xs)), *full)
         grads = list(pull(list(cotangents)))
