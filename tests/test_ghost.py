@@ -141,6 +141,11 @@ def test_zero_gradient_gives_no_nan():
     )
     assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
     assert np.all(np.asarray(aux.grad_norms) == 0)
+    # Beside an example whose squares overflow (the batch's norms then computed one example at
+    # a time, scaled), a zero gradient still gives 0.
+    huge = x.at[0].multiply(1e25)
+    grads, aux = check_against_reference(linear, params, huge, 1.0)
+    assert aux.grad_norms[1] == 0
 
 
 @pytest.mark.parametrize("method", ["auto", "vmap"])

@@ -58,7 +58,8 @@ class Factor:
         """The factor divided by ``2**exponent`` (its largest magnitude in [0.5, 1))."""
         if self.values is None:
             return self
-        e = self.exponent.reshape(self.exponent.shape + (1,) * (self.values.ndim - 2))
+        e = jnp.where(self.exponent == ZERO_EXPONENT, 0, self.exponent)  # (a zero stays 0)
+        e = e.reshape(e.shape + (1,) * (self.values.ndim - 2))
         scale = jnp.ldexp(jnp.ones((), self.values.dtype), -e)
         return dataclasses.replace(self, values=self.values * scale)
 
