@@ -86,11 +86,11 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         assert new.endswith("ms") and base.endswith("ms"), row
 
 
-def run_private(tmp_path, *args):
-    """The rows `benchmarks/private.py` writes with `args` (a run of its own, bounded)."""
+def run_private(tmp_path, *args, script="private.py"):
+    """The rows `benchmarks/<script>` writes with `args` (a run of its own, bounded)."""
     out = tmp_path / "private.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "private.py"), *args, "--json", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args, "--json", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -155,3 +155,42 @@ def test_private_benchmark_runs_the_methods_and_batches_asked_for(tmp_path):
         ("mlp", 4, "jax.grad (non-private)"),
         ("mlp", 4, "optclip.clipped_grad"),
     }
+
+
+@pytest.mark.slow
+def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
+    """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
+    out, and with its norms batched and unchecked (the script checks each variant's norms),
+    next to the non-private step; --grams: the output layer's Gram three ways, the same
+    values."""
+    rows = run_private(tmp_path, "--quick", script="private_parts.py")
+    assert [r["variant"] for r in rows] == [
+        "jax.grad (non-private)",
+        "ghost",
+        "norms at 1",
+        "sums of 0",
+        "batched, unchecked",
+    ]
+    assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
+    rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
+    ways = ["one batched product", "two halves", "one example at a time"]
+    assert [r["way"] for r in rows] == ways
+
+
+def test_the_parts_benchmark_gives_the_engine_back():
+    """`private_parts.swapped` restores the engine's functions, also when tracing fails."""
+    import importlib.util
+
+    from optclip.ghost import _leaves, _sums
+
+    spec = importlib.util.spec_from_file_location(
+        "private_parts", ROOT / "benchmarks" / "private_parts.py"
+    )
+    parts = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(parts)
+    before = (_leaves.leaf_norm_terms, _sums.clipped_sums)
+    with pytest.raises(RuntimeError, match="inside"):
+        with parts.swapped({"leaf_norm_terms": None, "clipped_sums": None}):
+            assert _leaves.leaf_norm_terms is None and _sums.clipped_sums is None
+            raise RuntimeError("inside")
+    assert (_leaves.leaf_norm_terms, _sums.clipped_sums) == before

@@ -92,6 +92,35 @@ def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkey
     assert_tree_close(scaled[0], jax.tree.map(np.asarray, common[0]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "scanned", "mlp"])
+def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
+    # On a CPU, where one example's Grams are large (`_leaves.LOOP_WORK` multiply-adds), the
+    # norms are computed one example after another: forced here (the tests' models are small)
+    # and checked against the float64 reference and the batch's values, with a non-finite
+    # example dropped, at a magnitude whose squares overflow, and eager.
+    from optclip.ghost import _leaves
+
+    loss, params, x = MODELS[name](np.random.default_rng(13))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    assert "platform_index" not in str(jax.make_jaxpr(g)(params, x))
+    batched = jax.jit(g)(params, x)
+    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
+    assert "platform_index" in str(jax.make_jaxpr(g)(params, x))
+    looped = check_against_reference(loss, params, x, 1.0)
+    np.testing.assert_allclose(looped[1].grad_norms, batched[1].grad_norms, rtol=1e-6)
+    assert_tree_close(looped[0], jax.tree.map(np.asarray, batched[0]), rtol=1e-6)
+    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
+    check_against_reference(huge, params, x, 1.0, mode="eager" if name == "mlp" else "jit")
+    if name == "mlp":
+        bad = x.at[1, 0].set(np.nan)
+        grads, aux = jax.jit(g)(params, bad)
+        assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
+        kept = np.delete(np.arange(x.shape[0]), 1)
+        _, sums = gm.reference(loss, params, x[kept], 1.0, None)
+        assert_tree_close(grads, sums)
+
+
 @settings(max_examples=80, deadline=None)
 @given(
     shifts=st.tuples(st.integers(-75, 75), st.integers(-75, 75)),
@@ -338,12 +367,30 @@ def random_model(draw_sizes, tied, scanned, magnitude):
     scanned=st.booleans(),
     magnitude=st.sampled_from([1.0, 1e-3, 1e20, 1e-20]),
     clip=st.sampled_from([0.1, 1.0, 1e30]),
+    looped=st.booleans(),
 )
-@example(sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1)
-@example(sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1)
-@example(sizes=(6, 2, 1, 1, 1, 345533), tied=False, scanned=False, magnitude=1.0, clip=0.1)
-def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip):
+@example(
+    sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1, looped=False
+)
+@example(
+    sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1, looped=True
+)
+@example(
+    sizes=(6, 2, 1, 1, 1, 345533), tied=False, scanned=False, magnitude=1.0, clip=0.1, looped=False
+)
+def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip, looped):
+    from optclip.ghost import _leaves
+
     loss, params, ids = random_model(sizes, tied, scanned, magnitude)
+    loop_work = _leaves.LOOP_WORK
+    _leaves.LOOP_WORK = 0 if looped else loop_work  # (the norms one example at a time)
+    try:
+        _check_random_model(loss, params, ids, clip, magnitude)
+    finally:
+        _leaves.LOOP_WORK = loop_work
+
+
+def _check_random_model(loss, params, ids, clip, magnitude):
     # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
     # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
     # A small leaf of a random model may carry the float32 model's own rounding (1.3e-5 of an

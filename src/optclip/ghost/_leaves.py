@@ -186,10 +186,51 @@ def leaf_norm_terms(t):
     (one `lax.cond` for the batch; decided in Python when eager) one example after another,
     each factor divided by its magnitude: exact at every magnitude, the same values where both
     are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
-    terms, safe = _terms(t, scaled=False)
+    terms, safe = _unscaled(t)
     if not _checks.is_traced(safe):
         return terms if bool(safe) else _scaled(t)
     return lax.cond(safe, lambda: terms, lambda: _scaled(t))
+
+
+# The per-example multiply-adds of the Grams above which the loop pays for its iterations.
+LOOP_WORK = 2**23
+
+
+def _gram_work(t) -> int:
+    """The multiply-adds of one example's Grams (every ghost use's own, ``L H K^2 (Sx +
+    Sy)``), from the shapes of its factors (`jax.eval_shape`: nothing computed)."""
+    work: list = []
+
+    def count():
+        for plan in t.plans:
+            if plan.mode == "ghost":
+                for x, y in ghost_uses(plan, t.records, t.grads, jnp.float32):
+                    levels, _, heads, rows, sx = x.shape
+                    work.append(levels * heads * rows * rows * (sx + y.shape[4]))
+        return 0
+
+    jax.eval_shape(count)
+    return sum(work)
+
+
+def _unscaled(t):
+    """`_terms` on the factors as they are, and whether that is exact: on a CPU one example
+    after another (`lax.map`; where `Tapped.one_by_one`), elsewhere the whole batch at once.
+    XLA on the CPU runs a batch of per-example Grams as one product 1.6x slower than as a loop
+    of one example's products, each checked and reduced while its factors are in the cache
+    (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop."""
+    if not t.one_by_one or _gram_work(t) < LOOP_WORK:
+        return _terms(t, scaled=False)
+
+    def one(b):
+        terms, safe = _terms(t.example(b), scaled=False)
+        return [(e[0], v[0]) for e, v in terms], safe
+
+    def loop():
+        terms, safe = lax.map(one, jnp.arange(t.size))
+        return terms, jnp.all(safe)
+
+    return lax.platform_dependent(cpu=loop, default=lambda: _terms(t, scaled=False))
 
 
 def _scaled(t):

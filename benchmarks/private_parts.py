@@ -1,0 +1,197 @@
+"""Where the ghost step's time goes: the step with one of its parts taken out.
+
+    python benchmarks/private_parts.py [--quick] [--batches 128 256] [--pairs 3] [--json out]
+    python benchmarks/private_parts.py --grams [--batches 256]
+
+On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
+side by side in one process (interleaved medians, ratios to the non-private step):
+
+* ``ghost``: ``optclip.clipped_grad`` as it is;
+* ``norms at 1``: every per-example norm replaced by 1 (no Grams, no magnitudes): the step
+  less its norms;
+* ``sums of 0``: the clipped sums replaced by zeros (no book-keeping products): the step less
+  its clipped sums, the tapped pass and the norms left;
+* ``batched, unchecked``: the norms as one batched product on the factors as they are,
+  without the check that this is exact (`_factors.safe`) and its `cond` (on a CPU the engine
+  runs a loop over the examples where their Grams are large, `_leaves.LOOP_WORK`: this is the
+  batched way less its check).
+
+The parts are swapped in by replacing two functions of the ghost engine
+(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`) while each step is traced; each variant's
+norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
+
+``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``) three ways:
+one batched product (what the engine does), the two halves of its rows apart (the Gram is
+symmetric: three of its four blocks), and one example at a time (`lax.map`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _private_models as models  # noqa: E402
+import _timing  # noqa: E402
+
+import optclip  # noqa: E402
+from optclip.ghost import _leaves, _sums  # noqa: E402
+
+CLIP = 1.0
+HIGHEST = lax.Precision.HIGHEST
+
+
+def _norms_at_one(t):
+    one = jnp.ones_like(t.losses, jnp.float32)
+    return [(jnp.zeros_like(one, jnp.int32), one / len(t.leaves)) for _ in t.leaves]
+
+
+def _sums_of_zero(t, w, keep, finite, spmd_axis_name=None):
+    return [jnp.zeros_like(leaf) for leaf in t.leaves]
+
+
+def _unchecked(t):
+    return _leaves._terms(t, scaled=False)[0]
+
+
+VARIANTS = {
+    "ghost": {},
+    "norms at 1": {"leaf_norm_terms": _norms_at_one},
+    "sums of 0": {"clipped_sums": _sums_of_zero},
+    "batched, unchecked": {"leaf_norm_terms": _unchecked},
+}
+
+
+@contextlib.contextmanager
+def swapped(names: dict):
+    """The engine with the functions in `names` replaced, for tracing."""
+    modules = {"leaf_norm_terms": _leaves, "clipped_sums": _sums}
+    saved = {name: getattr(modules[name], name) for name in names}
+    try:
+        for name, fn in names.items():
+            setattr(modules[name], name, fn)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(modules[name], name, fn)
+
+
+def parts(loss, params, batch, pairs: int) -> list[dict]:
+    size = batch.shape[0]
+
+    def non_private(p, b):
+        return jax.grad(lambda q: loss(q, b) * size)(p)
+
+    steps = [jax.jit(non_private).lower(params, batch).compile()]
+    for name, names in VARIANTS.items():
+        step = optclip.clipped_grad(loss, l2_clip_norm=CLIP, return_grad_norms=True)
+        with swapped(names):
+            steps.append(jax.jit(step).lower(params, batch).compile())
+        norms = np.asarray(steps[-1](params, batch)[1].grad_norms)
+        if name == "norms at 1":
+            assert np.allclose(norms, 1.0), norms
+        else:
+            assert np.all(norms > 0) and not np.allclose(norms, 1.0), norms
+    runners = [functools.partial(step, params, batch) for step in steps]
+    paired = _timing.interleaved(runners, pairs=pairs, warmup=1, min_sample_s=0.0)
+    rows = [dict(variant="jax.grad (non-private)", batch=size, time_s=paired.medians[0])]
+    for k, name in enumerate(VARIANTS, 1):
+        rows.append(
+            dict(
+                variant=name,
+                batch=size,
+                time_s=paired.medians[k],
+                time_ratio=paired.ratio(k, 0),
+                time_iqr=paired.spread(k, 0),
+            )
+        )
+    return rows
+
+
+def grams(batch: int, shape: models.TransformerShape, pairs: int) -> list[dict]:
+    g = jax.random.normal(jax.random.key(0), (batch, shape.seq, shape.vocab))
+    half = shape.seq // 2
+
+    def gram(a, b):
+        return jnp.einsum("bks,bjs->bkj", a, b, precision=HIGHEST)
+
+    def batched(g):
+        return jnp.sum(jnp.square(gram(g, g)), axis=(1, 2))
+
+    def halves(g):
+        a, b = g[:, :half], g[:, half:]
+        blocks = [(gram(a, a), 1), (gram(a, b), 2), (gram(b, b), 1)]
+        return sum(c * jnp.sum(jnp.square(p), axis=(1, 2)) for p, c in blocks)
+
+    def one_by_one(g):
+        return lax.map(lambda x: jnp.sum(jnp.square(gram(x[None], x[None]))), g)
+
+    ways = {
+        "one batched product": batched,
+        "two halves": halves,
+        "one example at a time": one_by_one,
+    }
+    fns = {name: jax.jit(f).lower(g).compile() for name, f in ways.items()}
+    reference = np.asarray(fns["one batched product"](g))
+    for f in fns.values():
+        np.testing.assert_allclose(np.asarray(f(g)), reference, rtol=1e-5)
+    paired = _timing.interleaved(
+        [functools.partial(f, g) for f in fns.values()], pairs=pairs, warmup=1, min_sample_s=0.0
+    )
+    return [
+        dict(way=name, batch=batch, time_s=paired.medians[k], time_ratio=paired.ratio(k, 0))
+        for k, name in enumerate(ways)
+    ]
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny transformer")
+    parser.add_argument("--batches", type=int, nargs="+", default=None)
+    parser.add_argument("--pairs", type=int, default=None, help="timing rounds (default 3)")
+    parser.add_argument("--grams", action="store_true", help="the output layer's Gram, 3 ways")
+    parser.add_argument("--json", type=pathlib.Path, default=None)
+    args = parser.parse_args(argv)
+    pairs = args.pairs or (2 if args.quick else 3)
+    if args.quick:
+        shape, batches = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2), (8,)
+    else:
+        shape, batches = models.TransformerShape(), (128, 256)
+    batches = tuple(args.batches) if args.batches else batches
+    loss = functools.partial(models.transformer_loss, heads=shape.heads)
+    params = models.transformer_params(shape)
+    print(f"ghost step's parts: jax {jax.__version__}, {jax.devices()[0].platform}", flush=True)
+    rows: list[dict] = []
+    for b in batches:
+        new = (
+            grams(b, shape, pairs)
+            if args.grams
+            else parts(loss, params, models.transformer_batch(shape, b), pairs)
+        )
+        for row in new:
+            ratio = row.get("time_ratio")
+            spread = row.get("time_iqr")
+            label = row.get("variant", row.get("way"))
+            text = f"batch {b:4d}  {label:24s} {row['time_s'] * 1e3:10.1f} ms"
+            if ratio is not None:
+                text += f"  x {ratio:.3f}"
+            if spread is not None:
+                text += f"  (IQR {spread[0]:.3f}-{spread[1]:.3f})"
+            print(text, flush=True)
+        rows += new
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1, default=float))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
