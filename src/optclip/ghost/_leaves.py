@@ -182,7 +182,8 @@ def leaf_norm_terms(t):
     tapped pass `t` (`_interpret.Tapped`).
 
     Computed on the factors as they are where every use of every example is safe (the common
-    case: no pass that divides the records and output gradients by their magnitudes), else
+    case: no pass that divides the records and output gradients by their magnitudes; on a CPU
+    one example at a time where the Grams are large, `_unscaled`), else
     (one `lax.cond` for the batch; decided in Python when eager) one example after another,
     each factor divided by its magnitude: exact at every magnitude, the same values where both
     are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
