@@ -158,6 +158,26 @@ def test_norms_are_computed_unscaled_only_where_that_is_exact(shifts, sizes, see
         np.testing.assert_allclose(got[where], want[where], rtol=2e-6, atol=info.tiny)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_parameters_broadcast_by_every_elementwise_operation(mode):
+    # A parameter broadcast against a sequence by `sub`, `div`, `mul` and `add` (size-1 axes:
+    # `_interpret._apart` sums its per-example gradient with them dropped; a sum or a
+    # difference keeps no residual, a product or a quotient keeps its operands).
+    rng = np.random.default_rng(21)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
+        "s": jnp.asarray(rng.uniform(1, 2, size=3), jnp.float32),
+        "b": jnp.asarray(rng.normal(size=3), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(5, 6, 4)), jnp.float32)
+
+    def loss(p, x):
+        h = (p["b"] - x @ p["w"]) / p["s"]
+        return jnp.sum(jnp.tanh(jnp.sin(h) * p["s"] - 2.0 * p["b"]) ** 2)
+
+    check_against_reference(loss, params, x, 0.5, mode=mode)
+
+
 def test_zero_gradient_gives_no_nan():
     loss, params, x = gm.mlp(np.random.default_rng(3))
     linear = lambda p, x: jnp.sum(x @ p["w1"])  # noqa: E731

@@ -222,16 +222,21 @@ def _unscaled(t):
     (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop."""
     if not t.one_by_one or _gram_work(t) < LOOP_WORK:
         return _terms(t, scaled=False)
+    return lax.platform_dependent(
+        cpu=lambda: _by_example(t, scaled=False), default=lambda: _terms(t, scaled=False)
+    )
+
+
+def _by_example(t, scaled: bool):
+    """`_terms` one example after another (`lax.map`; slices of one example, see
+    `Tapped.one_by_one`)."""
 
     def one(b):
-        terms, safe = _terms(t.example(b), scaled=False)
+        terms, safe = _terms(t.example(b), scaled=scaled)
         return [(e[0], v[0]) for e, v in terms], safe
 
-    def loop():
-        terms, safe = lax.map(one, jnp.arange(t.size))
-        return terms, jnp.all(safe)
-
-    return lax.platform_dependent(cpu=loop, default=lambda: _terms(t, scaled=False))
+    terms, safe = lax.map(one, jnp.arange(t.size))
+    return terms, jnp.all(safe)
 
 
 def _scaled(t):
@@ -239,9 +244,4 @@ def _scaled(t):
     (or the whole batch at once where the batch is split over a mesh: `Tapped.one_by_one`)."""
     if not t.one_by_one:
         return _terms(t, scaled=True)[0]
-
-    def one(b):
-        terms, _ = _terms(t.example(b), scaled=True)
-        return [(e[0], v[0]) for e, v in terms]
-
-    return lax.map(one, jnp.arange(t.size))
+    return _by_example(t, scaled=True)[0]
