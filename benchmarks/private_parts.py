@@ -2,6 +2,7 @@
 
     python benchmarks/private_parts.py [--quick] [--batches 128 256] [--pairs 3] [--json out]
     python benchmarks/private_parts.py --grams [--batches 256]
+    python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
 side by side in one process (interleaved medians, ratios to the non-private step):
@@ -19,6 +20,9 @@ side by side in one process (interleaved medians, ratios to the non-private step
 The parts are swapped in by replacing two functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`) while each step is traced; each variant's
 norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
+
+``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
+steps take milliseconds: each round then calls a step until the round takes 50 ms.
 
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``) three ways:
 one batched product (what the engine does), the two halves of its rows apart (the Gram is
@@ -86,7 +90,7 @@ def swapped(names: dict):
 
 
 def parts(loss, params, batch, pairs: int) -> list[dict]:
-    size = batch.shape[0]
+    size = jax.tree.leaves(batch)[0].shape[0]
 
     def non_private(p, b):
         return jax.grad(lambda q: loss(q, b) * size)(p)
@@ -102,7 +106,7 @@ def parts(loss, params, batch, pairs: int) -> list[dict]:
         else:
             assert np.all(norms > 0) and not np.allclose(norms, 1.0), norms
     runners = [functools.partial(step, params, batch) for step in steps]
-    paired = _timing.interleaved(runners, pairs=pairs, warmup=1, min_sample_s=0.0)
+    paired = _timing.interleaved(runners, pairs=pairs, warmup=1, min_sample_s=0.05)
     rows = [dict(variant="jax.grad (non-private)", batch=size, time_s=paired.medians[0])]
     for k, name in enumerate(VARIANTS, 1):
         rows.append(
@@ -159,8 +163,11 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--batches", type=int, nargs="+", default=None)
     parser.add_argument("--pairs", type=int, default=None, help="timing rounds (default 3)")
     parser.add_argument("--grams", action="store_true", help="the output layer's Gram, 3 ways")
+    parser.add_argument("--mlp", action="store_true", help="the MLP in place of the transformer")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.grams and args.mlp:
+        parser.error("--grams times the transformer's output layer: not with --mlp")
     pairs = args.pairs or (2 if args.quick else 3)
     if args.quick:
         shape, batches = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2), (8,)
@@ -169,14 +176,16 @@ def main(argv=None) -> list[dict]:
     batches = tuple(args.batches) if args.batches else batches
     loss = functools.partial(models.transformer_loss, heads=shape.heads)
     params = models.transformer_params(shape)
+    make_batch = functools.partial(models.transformer_batch, shape)
+    if args.mlp:
+        mlp = models.MLPShape()
+        loss, params = models.mlp_loss, models.mlp_params(mlp)
+        make_batch = functools.partial(models.mlp_batch, mlp)
+        batches = tuple(args.batches) if args.batches else (256,)
     print(f"ghost step's parts: jax {jax.__version__}, {jax.devices()[0].platform}", flush=True)
     rows: list[dict] = []
     for b in batches:
-        new = (
-            grams(b, shape, pairs)
-            if args.grams
-            else parts(loss, params, models.transformer_batch(shape, b), pairs)
-        )
+        new = grams(b, shape, pairs) if args.grams else parts(loss, params, make_batch(b), pairs)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")

@@ -162,7 +162,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
     out, and with its norms batched and unchecked (the script checks each variant's norms),
     next to the non-private step; --grams: the output layer's Gram three ways, the same
-    values."""
+    values; --mlp: the same parts on the MLP (not with --grams)."""
     rows = run_private(tmp_path, "--quick", script="private_parts.py")
     assert [r["variant"] for r in rows] == [
         "jax.grad (non-private)",
@@ -175,6 +175,17 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
     ways = ["one batched product", "two halves", "one example at a time"]
     assert [r["way"] for r in rows] == ways
+    rows = run_private(
+        tmp_path, "--mlp", "--batches", "8", "--pairs", "1", script="private_parts.py"
+    )
+    assert [(r["variant"], r["batch"]) for r in rows][1] == ("ghost", 8)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "private_parts.py"), "--mlp", "--grams"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--grams times the transformer's output layer" in proc.stderr
 
 
 def test_the_parts_benchmark_gives_the_engine_back():
