@@ -7,6 +7,7 @@ falls on both sides alike.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 import time
@@ -35,6 +36,18 @@ class Paired:
         ratios = sorted(a / b for a, b in zip(self.times[k], self.times[ref]))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         return q[0], q[2]
+
+
+def count(text: str) -> int:
+    """An argparse type for the scripts' counts (``--pairs``, ``--batches``): a whole number
+    of at least 1 (0 would mean the default, or fail deep inside a step)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
 def _block(x: Any) -> Any:

@@ -234,11 +234,15 @@ def where() -> str:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny models, two batch sizes")
-    parser.add_argument("--pairs", type=int, default=None, help="timing rounds (default 5)")
+    parser.add_argument(
+        "--pairs", type=_timing.count, default=None, help="timing rounds (default 5)"
+    )
     parser.add_argument("--budget-gib", type=float, default=4.0)
     parser.add_argument("--run-limit-gib", type=float, default=12.0)
     parser.add_argument("--only", choices=["transformer", "mlp"], default=None)
-    parser.add_argument("--batches", type=int, nargs="+", default=None, help="batch sizes")
+    parser.add_argument(
+        "--batches", type=_timing.count, nargs="+", default=None, help="batch sizes"
+    )
     parser.add_argument(
         "--methods",
         nargs="+",

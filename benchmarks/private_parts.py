@@ -160,8 +160,10 @@ def grams(batch: int, shape: models.TransformerShape, pairs: int) -> list[dict]:
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny transformer")
-    parser.add_argument("--batches", type=int, nargs="+", default=None)
-    parser.add_argument("--pairs", type=int, default=None, help="timing rounds (default 3)")
+    parser.add_argument("--batches", type=_timing.count, nargs="+", default=None)
+    parser.add_argument(
+        "--pairs", type=_timing.count, default=None, help="timing rounds (default 3)"
+    )
     parser.add_argument("--grams", action="store_true", help="the output layer's Gram, 3 ways")
     parser.add_argument("--mlp", action="store_true", help="the MLP in place of the transformer")
     parser.add_argument("--json", type=pathlib.Path, default=None)

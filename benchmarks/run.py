@@ -769,8 +769,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few repetitions")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {SECTIONS}")
     parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument("--pairs", type=int, default=None, help="timed rounds per figure")
-    parser.add_argument("--compile-pairs", type=int, default=None, help="rounds of compile timing")
+    parser.add_argument("--pairs", type=_timing.count, default=None, help="timed rounds per figure")
+    parser.add_argument(
+        "--compile-pairs", type=_timing.count, default=None, help="rounds of compile timing"
+    )
     parser.add_argument(
         "--impl",
         default="optclip",

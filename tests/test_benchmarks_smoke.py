@@ -205,3 +205,27 @@ def test_the_parts_benchmark_gives_the_engine_back():
             assert _leaves.leaf_norm_terms is None and _sums.clipped_sums is None
             raise RuntimeError("inside")
     assert (_leaves.leaf_norm_terms, _sums.clipped_sums) == before
+
+
+@pytest.mark.parametrize(
+    "script, args, named, given",
+    [
+        ("private.py", ["--batches", "16", "0"], "--batches", "'0'"),
+        ("private_parts.py", ["--pairs", "-1"], "--pairs", "'-1'"),
+        ("run.py", ["--compile-pairs", "0"], "--compile-pairs", "'0'"),
+        ("versions.py", ["HEAD", "--pairs", "2.5"], "--pairs", "'2.5'"),
+    ],
+)
+def test_the_scripts_refuse_a_count_below_one(script, args, named, given):
+    # `--pairs 0` used to mean the default (`args.pairs or 5`), `--batches 0` to fail deep
+    # inside a step: each is an argparse error naming the argument, before anything runs.
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    message = f"argument {named}: must be a whole number of at least 1, got {given}"
+    assert message in proc.stderr, proc.stderr
