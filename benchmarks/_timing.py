@@ -85,22 +85,28 @@ def interleaved(
     pairs: int = 15,
     warmup: int = 2,
     min_sample_s: float = 0.02,
+    each: bool = False,
 ) -> Paired:
     """Time zero-argument callables side by side.
 
     Each callable must already be compiled (the warm-up calls absorb anything left). For each
     of ``pairs`` rounds every contender runs once (``inner`` calls, timed to the last
     ``block_until_ready``), and the order rotates from round to round so no side always goes
-    first. Returns the per-call times of every round.
+    first. ``inner`` is the same for all, set by the slowest; with ``each``, every contender
+    gets its own, so that a step of milliseconds beside one of seconds is still timed over
+    ``min_sample_s``. Returns the per-call times of every round.
     """
     for fn in fns:
         for _ in range(warmup):
             _block(fn())
-    inner = calibrate(fns, min_sample_s)
+    if each:
+        inner = [calibrate([fn], min_sample_s) for fn in fns]
+    else:
+        inner = [calibrate(fns, min_sample_s)] * len(fns)
     samples: list[list[float]] = [[] for _ in fns]
     for order in rotated_orders(len(fns), pairs):
         for k in order:
-            samples[k].append(_per_call(fns[k], inner))
+            samples[k].append(_per_call(fns[k], inner[k]))
     return Paired(tuple(tuple(s) for s in samples))
 
 

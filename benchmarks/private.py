@@ -16,9 +16,11 @@ Side by side in one process, for a transformer with scanned blocks (d=256, T=128
 
 Memory is XLA's compiled memory analysis of each jitted step (arguments + outputs + temporaries,
 less what outputs alias), so it needs no run; time is the interleaved median of each step run
-in turn (``_timing.interleaved``), for the contenders whose compiled peak is under
-``--run-limit-gib``. Every figure is a ratio to the non-private step measured in the same
-process. Runs unchanged on a GPU (the memory is then the device's).
+in turn (``_timing.interleaved``; each contender called in a round until the round takes
+50 ms, so that the MLP's steps of milliseconds are not timed one call at a time), for the
+contenders whose compiled peak is under ``--run-limit-gib``. Every figure is a ratio to the
+non-private step measured in the same process. Runs unchanged on a GPU (the memory is then the
+device's).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
 
 CLIP = 1.0
+MIN_SAMPLE_S = 0.05  # each contender's calls in a round of timing (_timing.interleaved(each=True))
 NON_PRIVATE = "jax.grad (non-private)"
 GHOST = "optclip.clipped_grad"
 JAX_PRIVACY = "jax_privacy.clipped_grad"
@@ -107,7 +110,9 @@ def measure(name, loss, params, batch, batch_size, args) -> list[dict]:
             row["note"] = (note + "; " if note else "") + "not run: peak over --run-limit-gib"
         rows.append(row)
         print(f"  {name} batch {batch_size}: {method}: peak {peak / 2**20:.1f} MiB", flush=True)
-    paired = _timing.interleaved(runners, pairs=args.pairs, warmup=1, min_sample_s=0.0)
+    paired = _timing.interleaved(
+        runners, pairs=args.pairs, warmup=1, min_sample_s=MIN_SAMPLE_S, each=True
+    )
     for row, median in zip(timed, paired.medians):
         row["time_s"] = median
     base = {r["method"]: r for r in rows}[NON_PRIVATE]

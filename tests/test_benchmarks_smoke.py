@@ -229,3 +229,29 @@ def test_the_scripts_refuse_a_count_below_one(script, args, named, given):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     message = f"argument {named}: must be a whole number of at least 1, got {given}"
     assert message in proc.stderr, proc.stderr
+
+
+def test_each_contender_is_timed_over_the_sample_time():
+    # `private.py` times the MLP's steps of milliseconds beside jax_privacy's of seconds: with
+    # one number of calls per round for all (set by the slowest), the fast ones were timed one
+    # call at a time, mostly noise. With `each`, every contender gets its own.
+    import time
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _timing
+
+    for each in (False, True):
+        calls = [0, 0]
+
+        def step(k, seconds, calls=calls):
+            calls[k] += 1
+            time.sleep(seconds)
+
+        slow, fast = (lambda: step(0, 0.02)), (lambda: step(1, 0.0005))
+        paired = _timing.interleaved([slow, fast], pairs=3, warmup=0, min_sample_s=0.02, each=each)
+        assert len(paired.times[0]) == len(paired.times[1]) == 3
+        assert paired.medians[1] < paired.medians[0]
+        if each:
+            assert calls[1] >= 5 * calls[0], calls  # (about 0.02 / 0.0005 calls a round)
+        else:
+            assert calls[1] == calls[0], calls

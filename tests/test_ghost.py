@@ -11,6 +11,7 @@ import pytest
 from ghost_models import RTOL, assert_tree_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
+from jax import lax
 from reference import run
 
 import optclip
@@ -273,6 +274,54 @@ def test_dense_layers_are_ghost_never_batch_by_weight(length):
         jaxpr = jax.make_jaxpr(g)(params, x).jaxpr
         assert bool(shapes_in(jaxpr) & per_example_w) == expected, method
     check_against_reference(loss, params, x, 1.0)
+
+
+# A dense site's clipped sum is one `dot_general` of its record and its weighted output
+# gradient (`_sums._dense_view_sum`), its dimension numbers worked out from the layer's: every
+# arrangement of the weight's dimensions, on either side, with head (batch) dimensions, the
+# record's free dimensions before or after those it contracts, in a scan (one weight per step,
+# or the same weight at every step).
+DENSE = {  # (weight shape, input shape of one example, the per-example product)
+    "x @ w": ((4, 5), (1, 3, 4), lambda w, x: x @ w),
+    "w first": ((5, 4), (1, 3, 4), lambda w, x: lax.dot_general(w, x, (([1], [2]), ([], [])))),
+    "heads": ((2, 2, 5), (1, 3, 2, 2), lambda w, x: jnp.einsum("bthc,hco->hbto", x, w)),
+    "heads, w first": (
+        (2, 5, 2),
+        (1, 3, 2, 2),
+        lambda w, x: lax.dot_general(w, x, (([2], [3]), ([0], [2]))),
+    ),
+    "two contracted": ((2, 2, 5), (1, 3, 2, 2), lambda w, x: jnp.einsum("bthc,hco->bto", x, w)),
+    "contracted out of order": (
+        (2, 2, 5),
+        (1, 3, 2, 2),
+        lambda w, x: lax.dot_general(x, w, (([3, 2], [0, 1]), ([], []))),
+    ),
+    "free after contracted": ((4, 5), (1, 4, 3), lambda w, x: jnp.einsum("bct,co->bto", x, w)),
+    "stacked in a scan": (
+        (3, 4, 4),
+        (1, 2, 4),
+        lambda w, x: lax.scan(lambda h, wi: (jnp.tanh(h @ wi), None), x, w)[0],
+    ),
+    "one weight at every step": (
+        (4, 4),
+        (1, 2, 4),
+        lambda w, x: lax.scan(
+            lambda h, _: (jnp.tanh(lax.dot(w, h[0].T).T[None]), None), x, None, 3
+        )[0],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_every_arrangement_of_a_dense_layer(name):
+    w_shape, x_shape, product = DENSE[name]
+    rng = np.random.default_rng(12)
+    params = {"w": jnp.asarray(rng.normal(size=w_shape), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, *x_shape[1:])), jnp.float32)
+    loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"], x)))  # noqa: E731
+    assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
+    for mode in ("jit", "eager"):
+        check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
 def test_records_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):

@@ -6,8 +6,9 @@ with no second backward pass.
 For every site of a ghost leaf, the VJP of its equation over the whole batch (the recorded
 operands batched, the parameter views not; over the layers of the scans it is inside) with
 respect to the views, each example's terms weighted by its factor: the batch is contracted
-inside the VJP (for a dense layer one matrix product ``A^T (w G)``, as in ordinary
-backpropagation), then carried back to the leaf through the view's chain. A dense layer or a
+inside the VJP, then carried back to the leaf through the view's chain. For a dense layer that
+VJP is written out as one matrix product ``A^T (w G)`` over the batch's rows, as in ordinary
+backpropagation (`_dense_view_sum`: JAX's own VJP transposes its product). A dense layer or a
 convolution is bilinear, so the factor goes on whichever of its input and output gradient is
 smaller (``(w A)^T G``, no copy of the larger). The materialised leaves' sums are their
 per-example gradients contracted with the factors (`_per_example._sums`).
@@ -63,6 +64,10 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None):
         record[0] = _weighted(record[0], w, depth)
     else:
         cotangent = [_weighted(g, w, depth) for g in cotangent]
+    if site.kind == "dense":
+        (pos, _), (value,) = site.views[0], values
+        cotangents = [_dense_view_sum(site.eqn, pos, value, record[0], cotangent[0], depth)]
+        return _leaves.pull_back(site, leaves, cotangents)
     f = jax.vmap(
         _leaves.equation(site),
         in_axes=(0, *([None] * len(values))),
@@ -73,6 +78,68 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None):
         f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
     _, pull = jax.vjp(lambda *views: f(record, *views), *values)
     return _leaves.pull_back(site, leaves, pull(cotangent))
+
+
+def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
+    """The cotangent of a `dot_general`'s view (operand `pos`, `value` its stacked view) from
+    the batch's other operand `record` and output gradient `cotangent` (both laid out
+    ``(*levels, B, ...)``): one `dot_general` contracting the examples and the other operand's
+    free dimensions (merged into one where they are adjacent, as ``(B*T, C)``), its output
+    in the view's order where the view is the right operand (``x @ W``: no transpose). The
+    VJP of the batched equation gives the same numbers, but puts the output gradient first
+    and transposes the product after it, which XLA on the CPU ran 1.4x slower (benchmarks/
+    private_parts.py)."""
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    o_contract, o_batch = (contract_r, batch_r) if pos == 0 else (contract_l, batch_l)
+    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
+    o_free = [d for d in range(record.ndim - depth - 1) if d not in (*o_contract, *o_batch)]
+    v_free = [d for d in range(value.ndim - depth) if d not in (*v_contract, *v_batch)]
+    nb = len(o_batch)
+    # the output's dimensions: the heads, then the left operand's free ones, then the right's
+    first = nb + (len(v_free) if pos == 0 else 0)
+    out_o = range(first, first + len(o_free))
+    levels = list(range(depth))
+    at = lambda dims: [depth + 1 + d for d in dims]  # noqa: E731
+    r_sum, c_sum = [depth, *at(o_free)], [depth, *at(out_o)]
+    r_batch, c_batch = levels + at(o_batch), levels + at(range(nb))
+    if _adjacent(r_sum) and _adjacent(c_sum):
+        record, r_sum, r_batch = _merged(record, r_sum, r_batch)
+        cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
+    # the product's dimensions as the view's: levels, heads, contracted (in the record's
+    # order), the view's free ones
+    order = [*v_batch, *(v_contract[list(o_contract).index(d)] for d in sorted(o_contract))]
+    order += v_free
+    sharding = jax.typeof(value).sharding
+    if sharding.mesh.empty:
+        out_sharding = None
+    else:
+        spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
+        out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))
+    out = lax.dot_general(
+        record,
+        cotangent,
+        ((r_sum, c_sum), (r_batch, c_batch)),
+        precision=eqn.params["precision"],
+        preferred_element_type=eqn.params["preferred_element_type"],
+        out_sharding=out_sharding,
+    )
+    perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
+    if perm != tuple(range(value.ndim)):
+        out = jnp.transpose(out, perm)
+    return out.astype(value.dtype)
+
+
+def _adjacent(dims: list) -> bool:
+    return dims == list(range(dims[0], dims[0] + len(dims)))
+
+
+def _merged(x, summed: list, batch: list):
+    """`x` with its `summed` dimensions (`_adjacent`) merged into one (XLA on the CPU
+    contracts ``(B*T, C)`` faster than ``(B, T, C)`` over ``B, T``), and the dimension numbers
+    after it."""
+    n, start = len(summed), summed[0]
+    x = x.reshape(*x.shape[:start], -1, *x.shape[start + n :])
+    return x, [start], [d if d < start else d - n + 1 for d in batch]
 
 
 def _ghost_sums(t, w, keep=None, spmd_axis_name=None):
