@@ -3,6 +3,7 @@
     python benchmarks/private_parts.py [--quick] [--batches 128 256] [--pairs 3] [--json out]
     python benchmarks/private_parts.py --grams [--batches 256]
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
+    python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
 side by side in one process (interleaved medians, ratios to the non-private step):
@@ -23,6 +24,11 @@ norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
+
+``--products`` times the MLP's first layer's clipped sum ``A^T (w G)`` (records ``(B, 1,
+784)``, output gradients ``(B, 1, 512)``) three ways: the non-private step's ``A^T G``, JAX's
+VJP of the batched equation (what the engine did before issue 20's fifth part: it transposes
+its product) and the engine's written-out product (`_sums._dense_view_sum`).
 
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``) three ways:
 one batched product (what the engine does), the two halves of its rows apart (the Gram is
@@ -157,6 +163,42 @@ def grams(batch: int, shape: models.TransformerShape, pairs: int) -> list[dict]:
     ]
 
 
+def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
+    """The MLP's first layer's clipped sum ``A^T (w G)`` three ways, from its records
+    ``(B, 1, inputs)`` and output gradients ``(B, 1, hidden)``."""
+    key_a, key_g, key_w = jax.random.split(jax.random.key(0), 3)
+    a = jax.random.normal(key_a, (batch, 1, shape.inputs))
+    g = jax.random.normal(key_g, (batch, 1, shape.hidden))
+    w = jax.random.uniform(key_w, (batch,))
+    kernel = jnp.zeros((shape.inputs, shape.hidden))
+    eqn = jax.make_jaxpr(lambda x, k: x @ k)(a[0], kernel).jaxpr.eqns[0]
+
+    def plain(a, g, w):  # the non-private step's product (no factors)
+        return lax.dot_general(a[:, 0], g[:, 0], (([0], [0]), ([], [])))
+
+    def vjp(a, g, w):  # JAX's VJP of the batched equation
+        f = jax.vmap(lambda x, k: x @ k, in_axes=(0, None))
+        return jax.vjp(lambda k: f(a, k), kernel)[1](g * w[:, None, None])[0]
+
+    def written_out(a, g, w):
+        return _sums._dense_view_sum(eqn, 1, kernel, a, g * w[:, None, None], 0)
+
+    ways = {"A^T G (non-private)": plain, "VJP of the batch": vjp, "written out": written_out}
+    fns = {name: jax.jit(f).lower(a, g, w).compile() for name, f in ways.items()}
+    reference = np.asarray(fns["VJP of the batch"](a, g, w))
+    np.testing.assert_allclose(np.asarray(fns["written out"](a, g, w)), reference, rtol=1e-5)
+    paired = _timing.interleaved(
+        [functools.partial(f, a, g, w) for f in fns.values()],
+        pairs=pairs,
+        warmup=1,
+        min_sample_s=0.05,
+    )
+    return [
+        dict(way=name, batch=batch, time_s=paired.medians[k], time_ratio=paired.ratio(k, 0))
+        for k, name in enumerate(ways)
+    ]
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny transformer")
@@ -166,10 +208,15 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--grams", action="store_true", help="the output layer's Gram, 3 ways")
     parser.add_argument("--mlp", action="store_true", help="the MLP in place of the transformer")
+    parser.add_argument(
+        "--products", action="store_true", help="the MLP's first clipped-sum product, 3 ways"
+    )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     if args.grams and args.mlp:
         parser.error("--grams times the transformer's output layer: not with --mlp")
+    if args.products and (args.grams or args.mlp):
+        parser.error("--products times the MLP's first layer: not with --grams or --mlp")
     pairs = args.pairs or (2 if args.quick else 3)
     if args.quick:
         shape, batches = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2), (8,)
@@ -179,6 +226,8 @@ def main(argv=None) -> list[dict]:
     loss = functools.partial(models.transformer_loss, heads=shape.heads)
     params = models.transformer_params(shape)
     make_batch = functools.partial(models.transformer_batch, shape)
+    if args.products:
+        batches = tuple(args.batches) if args.batches else (256,)
     if args.mlp:
         mlp = models.MLPShape()
         loss, params = models.mlp_loss, models.mlp_params(mlp)
@@ -187,7 +236,12 @@ def main(argv=None) -> list[dict]:
     print(f"ghost step's parts: jax {jax.__version__}, {jax.devices()[0].platform}", flush=True)
     rows: list[dict] = []
     for b in batches:
-        new = grams(b, shape, pairs) if args.grams else parts(loss, params, make_batch(b), pairs)
+        if args.grams:
+            new = grams(b, shape, pairs)
+        elif args.products:
+            new = products(b, models.MLPShape(), pairs)
+        else:
+            new = parts(loss, params, make_batch(b), pairs)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")

@@ -113,7 +113,9 @@ def test_private_training_benchmark_runs_and_plots(tmp_path):
         for batch in (4, 8):
             got = {r["method"]: r for r in rows if r["model"] == model and r["batch"] == batch}
             assert set(got) == methods, got
-            assert all("time_s" in r for r in got.values())
+            assert all("time_s" in r and "time_ratio" in r for r in got.values())
+            assert got["optclip.clipped_grad"]["vs_jax_privacy"] > 0
+            assert all("time_iqr" in r for m, r in got.items() if m != "jax.grad (non-private)")
     for batch in (4, 8):
         mlp = {
             r["method"]: r["peak_bytes"]
@@ -162,7 +164,8 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
     out, and with its norms batched and unchecked (the script checks each variant's norms),
     next to the non-private step; --grams: the output layer's Gram three ways, the same
-    values; --mlp: the same parts on the MLP (not with --grams)."""
+    values; --mlp: the same parts on the MLP (not with --grams); --products: the MLP's first
+    clipped-sum product three ways (the script checks they agree)."""
     rows = run_private(tmp_path, "--quick", script="private_parts.py")
     assert [r["variant"] for r in rows] == [
         "jax.grad (non-private)",
@@ -186,6 +189,18 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         timeout=60,
     )
     assert proc.returncode == 2 and "--grams times the transformer's output layer" in proc.stderr
+    rows = run_private(
+        tmp_path, "--products", "--batches", "8", "--pairs", "1", script="private_parts.py"
+    )
+    ways = ["A^T G (non-private)", "VJP of the batch", "written out"]
+    assert [(r["way"], r["batch"]) for r in rows] == [(way, 8) for way in ways]
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "private_parts.py"), "--products", "--mlp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and "--products times the MLP's first layer" in proc.stderr
 
 
 def test_the_parts_benchmark_gives_the_engine_back():
