@@ -304,16 +304,20 @@ def main(argv=None) -> list[dict]:
         flush=True,
     )
     rows = []
+    # The MLP first: after the transformer's steps of gigabytes, glibc's malloc handed the
+    # MLP's buffers of megabytes back to the system after each call (fresh pages at the next),
+    # and its steps took 1.3x their time, the ghost step's (more buffers) the most: 1.22x the
+    # non-private step where a process of its own gave 1.14x (BUILD_NOTES).
     setups = {
-        "transformer": (
-            functools.partial(models.transformer_loss, heads=t_shape.heads),
-            models.transformer_params(t_shape),
-            lambda b: models.transformer_batch(t_shape, b),
-        ),
         "mlp": (
             models.mlp_loss,
             models.mlp_params(m_shape),
             lambda b: models.mlp_batch(m_shape, b),
+        ),
+        "transformer": (
+            functools.partial(models.transformer_loss, heads=t_shape.heads),
+            models.transformer_params(t_shape),
+            lambda b: models.transformer_batch(t_shape, b),
         ),
     }
     for name, (loss, params, make_batch) in setups.items():

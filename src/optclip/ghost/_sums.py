@@ -87,8 +87,8 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     free dimensions (merged into one where they are adjacent, as ``(B*T, C)``), its output
     in the view's order where the view is the right operand (``x @ W``: no transpose). The
     VJP of the batched equation gives the same numbers, but puts the output gradient first
-    and transposes the product after it, which XLA on the CPU ran 1.4x slower (benchmarks/
-    private_parts.py)."""
+    and transposes the product after it, which XLA on the CPU ran 1.24x slower on the MLP's
+    first layer (``benchmarks/private_parts.py --products``)."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     o_contract, o_batch = (contract_r, batch_r) if pos == 0 else (contract_l, batch_l)
     v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
