@@ -239,7 +239,8 @@ def main(argv=None) -> list[dict]:
         if args.grams:
             new = grams(b, shape, pairs)
         elif args.products:
-            new = products(b, models.MLPShape(), pairs)
+            mlp = models.MLPShape(inputs=16, hidden=32) if args.quick else models.MLPShape()
+            new = products(b, mlp, pairs)
         else:
             new = parts(loss, params, make_batch(b), pairs)
         for row in new:

@@ -144,10 +144,20 @@ def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
     `record` is the other operand, `grad` the output gradient, both laid out ``(*levels, B,
     ...)`` (one level per enclosing scan); `sliced` says per level whether the view is sliced
     along it (stacked layers) or the same at every iteration (its uses are summed)."""
+    a_batch, a_free, a_contract, out_a, out_v = dense_dims(eqn, pos)
+    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc)
+    return x, factor(arrange(grad, sliced, (tuple(range(len(a_batch))), out_a, out_v)), acc)
+
+
+def dense_dims(eqn, pos: int):
+    """For a `dot_general` whose operand `pos` is the view, in one example's dimensions: the
+    other operand's head (batch), free and contracted dimensions (the contracted in the
+    layer's pairing order), and the output's dimensions of the other operand's free ones and
+    of the view's."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     a_contract = tuple(contract_r if pos == 0 else contract_l)
     a_batch = tuple(batch_r if pos == 0 else batch_l)
-    a_ndim = record.ndim - len(sliced) - 1
+    a_ndim = len(eqn.invars[1 - pos].aval.shape)
     a_free = tuple(d for d in range(a_ndim) if d not in a_contract + a_batch)
     v_free = len(eqn.invars[pos].aval.shape) - len(a_contract) - len(a_batch)
     nb = len(a_batch)
@@ -156,8 +166,7 @@ def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
     if pos == 0:  # the output's free dimensions: the view's first
         out_v = tuple(range(nb, nb + v_free))
         out_a = tuple(range(nb + v_free, nb + v_free + len(a_free)))
-    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc)
-    return x, factor(arrange(grad, sliced, (tuple(range(nb)), out_a, out_v)), acc)
+    return a_batch, a_free, a_contract, out_a, out_v
 
 
 def conv_factors(record, grad, eqn, acc):

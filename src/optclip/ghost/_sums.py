@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip import _checks, _per_example
-from optclip.ghost import _interpret, _leaves
+from optclip.ghost import _factors, _interpret, _leaves
 
 
 def _at(v, x, axis: int):
@@ -89,19 +89,14 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     VJP of the batched equation gives the same numbers, but puts the output gradient first
     and transposes the product after it, which XLA on the CPU ran 1.24x slower on the MLP's
     first layer (``benchmarks/private_parts.py --products``)."""
+    o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-    o_contract, o_batch = (contract_r, batch_r) if pos == 0 else (contract_l, batch_l)
     v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
-    o_free = [d for d in range(record.ndim - depth - 1) if d not in (*o_contract, *o_batch)]
     v_free = [d for d in range(value.ndim - depth) if d not in (*v_contract, *v_batch)]
-    nb = len(o_batch)
-    # the output's dimensions: the heads, then the left operand's free ones, then the right's
-    first = nb + (len(v_free) if pos == 0 else 0)
-    out_o = range(first, first + len(o_free))
     levels = list(range(depth))
     at = lambda dims: [depth + 1 + d for d in dims]  # noqa: E731
     r_sum, c_sum = [depth, *at(o_free)], [depth, *at(out_o)]
-    r_batch, c_batch = levels + at(o_batch), levels + at(range(nb))
+    r_batch, c_batch = levels + at(o_batch), levels + at(range(len(o_batch)))
     if _adjacent(r_sum) and _adjacent(c_sum):
         record, r_sum, r_batch = _merged(record, r_sum, r_batch)
         cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
