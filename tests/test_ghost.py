@@ -206,10 +206,14 @@ def test_padding_examples_contribute_exactly_zero(method):
     grads = g(params, x, is_padding_example=padding)
     other = x.at[1].set(0).at[4].set(3)  # other data in the padding slots: the same bits
     again = g(params, other, is_padding_example=padding)
-    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True):
-        np.testing.assert_array_equal(a, b)
     _, sums = gm.reference(loss, params, x, 0.5, np.asarray(padding))
     assert_tree_close(grads, sums)
+    assert_tree_close(again, sums)
+    if jax.default_backend() == "cpu":
+        # (A GPU's scatter-add, the embedding's sum, adds its rows in no fixed order, so its
+        # bits may differ from one call to the next whatever the padding holds.)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("method", ["auto", "vmap"])
@@ -530,3 +534,31 @@ def test_static_python_arguments_stay_python():
     f = lambda w, data: 0.5 * jnp.mean((data - w) ** 2)  # noqa: E731  (jax_privacy's example)
     assert float(optclip.clipped_grad(f, l2_clip_norm=jnp.inf)(3.0, jnp.array([0, 7, -2]))) == 4
     assert optclip.ghost_report(flagged, params, x, True, 2.0)["['w1']"].mode == "ghost"
+
+
+def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
+    # jax 0.10 gives a `scan` its numbers of consts and carries (`num_consts`, `num_carry`);
+    # jax 0.11 packs its operands' three parts (consts, carries, scanned inputs) in `ft_in`.
+    # Both are read; any other layout is refused by name, never misread.
+    from optclip.ghost import _trace
+
+    w = jnp.arange(3.0)
+
+    def f(c, xs):
+        return lax.scan(lambda c, x: (c * w + x, c), c, xs)
+
+    jaxpr = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((4, 3)))
+    eqn = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    assert _trace.scan_counts(eqn) == (1, 1)
+
+    class Parts:  # jax 0.11's `ft_in` (a FlatTree), as far as it is read
+        def unpack(self):
+            return ([None] * 2, [None] * 3, [None])
+
+    bare = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry", "ft_in")}
+    assert _trace.scan_counts(eqn.replace(params={**bare, "ft_in": Parts()})) == (2, 3)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"does not know the parameters of this JAX's \(.*\) `scan` \(jaxpr, length, ",
+    ):
+        _trace.scan_counts(eqn.replace(params=bare))

@@ -220,7 +220,7 @@ def _scan(eqn, subplan, invals, taps, records):
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
     params = eqn.params
     body = params["jaxpr"]
-    consts, carry = params["num_consts"], params["num_carry"]
+    consts, carry = _trace.scan_counts(eqn)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def step(state, x):

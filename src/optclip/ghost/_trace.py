@@ -173,6 +173,23 @@ def sub_jaxpr(eqn):
     return inner, ()
 
 
+def scan_counts(eqn) -> tuple[int, int]:
+    """A `scan`'s numbers of consts and of carries, which lead its operands and its body's
+    inputs: its ``num_consts`` and ``num_carry`` (jax 0.10), or the sizes of the first two of
+    the three parts of its ``ft_in`` (jax 0.11: consts, carries, scanned inputs)."""
+    params = eqn.params
+    if "num_consts" in params and "num_carry" in params:
+        return params["num_consts"], params["num_carry"]
+    if "ft_in" in params:
+        parts = params["ft_in"].unpack()
+        if len(parts) == 3:
+            return len(parts[0]), len(parts[1])
+    raise NotImplementedError(
+        f"clipped_grad does not know the parameters of this JAX's ({jax.__version__}) `scan` "
+        f"({', '.join(sorted(params))}): where its consts and carries are is not known"
+    )
+
+
 def is_float(var) -> bool:
     dtype = getattr(var.aval, "dtype", None)
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
@@ -231,7 +248,7 @@ def _scan(eqn, used, ids):
     """The plan of a `scan`'s body (its sites stacked along the scan), or None when a
     parameter view is carried or returned (its gradient would not pass through a site)."""
     body = eqn.params["jaxpr"].jaxpr
-    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    consts, carry = scan_counts(eqn)
     length = eqn.params["length"]
     if any(consts <= pos < consts + carry for pos, _ in used):
         return None
