@@ -4,6 +4,7 @@
     python benchmarks/private_parts.py --grams [--batches 256]
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
+    python benchmarks/private_parts.py --flops [--mlp] [--batches 16 256]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
 side by side in one process (interleaved medians, ratios to the non-private step):
@@ -30,6 +31,13 @@ steps take milliseconds: each round then calls a step until the round takes 50 m
 VJP of the batched equation (what the engine did before issue 20's fifth part: it transposes
 its product) and the engine's written-out product (`_sums._dense_view_sum`).
 
+``--flops`` counts, in place of timing, each step's matrix products' floating-point operations
+(2 per multiply-add of every `dot_general` in its jaxpr: a scan's body as many times as it
+runs, a `cond`'s cheapest branch, calls and rematerialised blocks walked into; elementwise
+work not counted): the arithmetic each variant must do, whatever the machine. The engine's
+`cond`s choose between the same products on two platforms, or skip the rare recomputation of
+the norms from rescaled factors (`_factors.safe`): their cheapest branch is the one that runs.
+
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``) three ways:
 one batched product (what the engine does), the two halves of its rows apart (the Gram is
 symmetric: three of its four blocks), and one example at a time (`lax.map`).
@@ -41,6 +49,7 @@ import argparse
 import contextlib
 import functools
 import json
+import math
 import pathlib
 import sys
 
@@ -48,6 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models as models  # noqa: E402
@@ -95,13 +105,59 @@ def swapped(names: dict):
             setattr(modules[name], name, fn)
 
 
-def parts(loss, params, batch, pairs: int) -> list[dict]:
-    size = jax.tree.leaves(batch)[0].shape[0]
+def _inner_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(item, jcore.ClosedJaxpr):
+                yield item.jaxpr
+            elif isinstance(item, jcore.Jaxpr):
+                yield item
 
+
+def dot_flops(jaxpr, times: int = 1) -> int:
+    """2 per multiply-add of `jaxpr`'s `dot_general`s, run `times` times: a scan's body counted
+    as often as it runs, a `cond`'s cheapest branch, calls and rematerialised blocks walked
+    into."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contracted, _), _ = eqn.params["dimension_numbers"]
+            shape = eqn.invars[0].aval.shape
+            k = math.prod(shape[i] for i in contracted)
+            total += times * 2 * math.prod(eqn.outvars[0].aval.shape) * k
+            continue
+        inner = list(_inner_jaxprs(eqn))
+        if eqn.primitive.name == "cond":
+            total += min(dot_flops(j, times) for j in inner)
+        else:
+            runs = eqn.params["length"] if eqn.primitive.name == "scan" else 1
+            total += sum(dot_flops(j, times * runs) for j in inner)
+    return total
+
+
+def flops(loss, params, batch) -> list[dict]:
+    """`dot_flops` of the non-private step and of each variant's."""
+    size = jax.tree.leaves(batch)[0].shape[0]
+    base = dot_flops(jax.make_jaxpr(_non_private(loss, size))(params, batch).jaxpr)
+    rows = [dict(variant="jax.grad (non-private)", batch=size, flops=base)]
+    for name, names in VARIANTS.items():
+        step = optclip.clipped_grad(loss, l2_clip_norm=CLIP)
+        with swapped(names):
+            count = dot_flops(jax.make_jaxpr(step)(params, batch).jaxpr)
+        rows.append(dict(variant=name, batch=size, flops=count, flop_ratio=count / base))
+    return rows
+
+
+def _non_private(loss, size: int):
     def non_private(p, b):
         return jax.grad(lambda q: loss(q, b) * size)(p)
 
-    steps = [jax.jit(non_private).lower(params, batch).compile()]
+    return non_private
+
+
+def parts(loss, params, batch, pairs: int) -> list[dict]:
+    size = jax.tree.leaves(batch)[0].shape[0]
+    steps = [jax.jit(_non_private(loss, size)).lower(params, batch).compile()]
     for name, names in VARIANTS.items():
         step = optclip.clipped_grad(loss, l2_clip_norm=CLIP, return_grad_norms=True)
         with swapped(names):
@@ -211,8 +267,13 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--products", action="store_true", help="the MLP's first clipped-sum product, 3 ways"
     )
+    parser.add_argument(
+        "--flops", action="store_true", help="each variant's matrix-product operations, untimed"
+    )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.flops and (args.grams or args.products):
+        parser.error("--flops counts the steps' parts: not with --grams or --products")
     if args.grams and args.mlp:
         parser.error("--grams times the transformer's output layer: not with --mlp")
     if args.products and (args.grams or args.mlp):
@@ -241,13 +302,19 @@ def main(argv=None) -> list[dict]:
         elif args.products:
             mlp = models.MLPShape(inputs=16, hidden=32) if args.quick else models.MLPShape()
             new = products(b, mlp, pairs)
+        elif args.flops:
+            new = flops(loss, params, make_batch(b))
         else:
             new = parts(loss, params, make_batch(b), pairs)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")
             label = row.get("variant", row.get("way"))
-            text = f"batch {b:4d}  {label:24s} {row['time_s'] * 1e3:10.1f} ms"
+            if "flops" in row:
+                text = f"batch {b:4d}  {label:24s} {row['flops'] / 1e9:10.2f} GFLOP"
+                ratio = row.get("flop_ratio")
+            else:
+                text = f"batch {b:4d}  {label:24s} {row['time_s'] * 1e3:10.1f} ms"
             if ratio is not None:
                 text += f"  x {ratio:.3f}"
             if spread is not None:

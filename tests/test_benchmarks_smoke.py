@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,22 +131,17 @@ def test_private_training_benchmark_runs_and_plots(tmp_path):
 
 
 def test_the_private_training_guide_shows_the_saved_run():
-    """The guide's cost table is the saved run's (`benchmarks/private_results.json`, the rows
-    `private.py --json` wrote), as `private.py --markdown` prints it, and its figure names
-    every method and model."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "private_bench", ROOT / "benchmarks" / "private.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    rows = json.loads((ROOT / "benchmarks" / "private_results.json").read_text())
+    """The guide's cost tables are the saved runs' (`benchmarks/private_results.json` and
+    `private_results_h200.json`, the rows `private.py --json` wrote), as `private.py --markdown`
+    prints them, and its figure names every method and model."""
+    bench = load("private.py")
     guide = (ROOT / "docs" / "guides" / "private-training.md").read_text(encoding="utf-8")
-    assert bench.markdown(rows) in guide
-    assert {(r["model"], r["batch"]) for r in rows} == {
-        (m, b) for m in ("transformer", "mlp") for b in (16, 64, 256)
-    }
+    for run in ("private_results.json", "private_results_h200.json"):  # (a CPU's, an H200's)
+        rows = json.loads((ROOT / "benchmarks" / run).read_text())
+        assert bench.markdown(rows) in guide, run
+        assert {(r["model"], r["batch"]) for r in rows} == {
+            (m, b) for m in ("transformer", "mlp") for b in (16, 64, 256)
+        }
     svg = (ROOT / "docs" / "_static" / "private_memory.svg").read_text()
     for label in {r["method"] for r in rows} | {"transformer", "mlp", "batch size"}:
         assert label in svg, label
@@ -191,6 +188,59 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     refused("--products", "--mlp", why="--products times the MLP's first layer")
 
 
+@pytest.mark.slow
+def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
+    """private_parts.py --flops: each variant's matrix-product operations from its jaxpr. The
+    step with its norms taken out does the non-private step's products (the clipped sums are
+    the weight gradients' products, weighted), so the norms are the whole difference."""
+    rows = run_private(tmp_path, "--quick", "--flops", script="private_parts.py")
+    ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
+    variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked"]
+    assert list(ratios) == ["jax.grad (non-private)", *variants]
+    assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
+    assert ratios["ghost"] == ratios["batched, unchecked"] > 1.05, ratios
+    assert ratios["sums of 0"] < 1.0, ratios
+    refused("--flops", "--grams", why="--flops counts the steps' parts")
+
+
+def test_matrix_products_are_counted_as_often_as_they_run():
+    parts = load("private_parts.py")
+    w = jnp.ones((4, 5))
+
+    def f(x):  # (2, 4) @ (4, 5): 2 * 2 * 5 * 4 = 80 a product
+        y = jax.lax.scan(lambda c, _: (c, c @ w), x, length=3)[1]  # 3 times
+        z = jax.lax.cond(x[0, 0] > 0, lambda: x @ w, lambda: (x @ w) @ w.T @ w)  # the cheaper
+        return y, jax.jit(lambda x: x @ w)(x), jax.checkpoint(lambda x: x @ w)(x), z
+
+    assert parts.dot_flops(jax.make_jaxpr(f)(jnp.ones((2, 4))).jaxpr) == 80 * (3 + 1 + 1 + 1)
+
+
+def load(script: str):
+    """`benchmarks/<script>` as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script[:-3], ROOT / "benchmarks" / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_the_precision_benchmark_measures_both_methods_at_both_precisions(tmp_path):
+    """private_precision.py --quick: each method's error against float64 at matmul precision
+    'default' and 'highest'; on a CPU both are float32 dots, so every error is float32
+    rounding."""
+    rows = run_private(tmp_path, "--quick", "--batch", "4", script="private_precision.py")
+    assert {(r["model"], r["method"], r["precision"]) for r in rows} == {
+        (m, f"{lib}.clipped_grad", p)
+        for m in ("transformer", "mlp")
+        for lib in ("optclip", "jax_privacy")
+        for p in ("default", "highest")
+    }
+    if jax.default_backend() == "cpu":
+        assert all(r["norms"] < 1e-5 and r["clipped_sum"] < 1e-5 for r in rows), rows
+
+
 def refused(*args, why: str):
     """`private_parts.py` with `args` is an argparse error (exit 2) that says `why`."""
     proc = subprocess.run(
@@ -204,15 +254,9 @@ def refused(*args, why: str):
 
 def test_the_parts_benchmark_gives_the_engine_back():
     """`private_parts.swapped` restores the engine's functions, also when tracing fails."""
-    import importlib.util
-
     from optclip.ghost import _leaves, _sums
 
-    spec = importlib.util.spec_from_file_location(
-        "private_parts", ROOT / "benchmarks" / "private_parts.py"
-    )
-    parts = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(parts)
+    parts = load("private_parts.py")
     before = (_leaves.leaf_norm_terms, _sums.clipped_sums)
     with pytest.raises(RuntimeError, match="inside"):
         with parts.swapped({"leaf_norm_terms": None, "clipped_sums": None}):
@@ -226,6 +270,7 @@ def test_the_parts_benchmark_gives_the_engine_back():
     [
         ("private.py", ["--batches", "16", "0"], "--batches", "'0'"),
         ("private_parts.py", ["--pairs", "-1"], "--pairs", "'-1'"),
+        ("private_precision.py", ["--batch", "0"], "--batch", "'0'"),
         ("run.py", ["--compile-pairs", "0"], "--compile-pairs", "'0'"),
         ("versions.py", ["HEAD", "--pairs", "2.5"], "--pairs", "'2.5'"),
     ],

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Ghost clipping on a GPU, in one short run (a lent machine's minutes are few). Steps, in the
+# order given (default: all, in this order):
+#   precision  the default matmul precision's error (benchmarks/private_precision.py);
+#   t256 t64 t16  benchmarks/private.py's transformer at that batch, one JSON each; --budget-gib
+#              64: jax_privacy without microbatches where its per-example gradients fit;
+#   mlp        benchmarks/private.py's MLP;
+#   ghost      the ghost tests, every case, at matmul precision 'highest' (the default is TF32
+#              on such a GPU, and the tests compare with float64 at float32's tolerances);
+#   fast       the fast tier (the installed JAX may be newer than any on the package index).
+# Each step has its own time limit, and a step that fails leaves the next to run.
+#     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
+# jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
+set -u
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
+limited() { echo "== $* (limit $1 s)"; timeout "$@"; echo "== exit $?"; }
+bench() { limited "$1" python3 benchmarks/private.py --budget-gib 64 --run-limit-gib 100 "${@:2}"; }
+tests() {
+    XLA_PYTHON_CLIENT_PREALLOCATE=false limited "$1" python3 -m pytest -p no:cacheprovider \
+        -n 12 -v "${@:3}" >"$OUT/$2.log" 2>&1
+    grep -E "FAILED|ERROR" "$OUT/$2.log" | sort | head -30
+    grep -cE "PASSED" "$OUT/$2.log"
+    tail -1 "$OUT/$2.log"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+python3 -c "import jax, optax, jax_privacy, flax; print('jax', jax.__version__, 'optax', \
+optax.__version__, 'flax', flax.__version__, jax.devices())"
+for s in ${*:-precision t256 t64 t16 mlp ghost fast}; do
+    case $s in
+        precision) limited 80 python3 benchmarks/private_precision.py --batch 16 ;;
+        t256 | t64 | t16)
+            bench "$([ "$s" = t256 ] && echo 110 || echo 60)" --only transformer \
+                --batches "${s#t}" --json "$OUT/transformer_${s#t}.json" ;;
+        mlp) bench 70 --only mlp --json "$OUT/mlp.json" ;;
+        ghost)
+            JAX_DEFAULT_MATMUL_PRECISION=highest tests 100 ghost -m "slow or not slow" \
+                -k "not eight_devices" tests/test_ghost.py tests/test_ghost_jax_privacy.py \
+                tests/test_ghost_flax.py ;;
+        fast) tests 80 fast ;;
+        *) echo "unknown step $s" ;;
+    esac
+done
+for f in "$OUT"/*.json; do [ -e "$f" ] && python3 benchmarks/private.py --markdown "$f"; done
