@@ -7,7 +7,10 @@
 #   mlp        benchmarks/private.py's MLP;
 #   ghost      the ghost tests, every case, at matmul precision 'highest' (the default is TF32
 #              on such a GPU, and the tests compare with float64 at float32's tolerances);
-#   fast       the fast tier (the installed JAX may be newer than any on the package index).
+#   fast       the fast tier (the installed JAX may be newer than any on the package index);
+#   known      the tests that failed on an H200 with jax 0.11.2 (BUILD_NOTES, "Known limits"),
+#              with their tracebacks (the fast tier's were cut off by its time limit);
+#   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out.
 # Each step has its own time limit, and a step that fails leaves the next to run.
 #     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
 # jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
@@ -44,7 +47,17 @@ for s in ${*:-precision t256 t64 t16 mlp ghost fast}; do
                 -k "not eight_devices" tests/test_ghost.py tests/test_ghost_jax_privacy.py \
                 tests/test_ghost_flax.py ;;
         fast) tests 80 fast ;;
+        known)
+            tests 90 known --tb=short -rf -m "slow or not slow" src/optclip/_functional.py \
+                src/optclip/_axes.py src/optclip/_errors.py tests/test_doc_blocks.py \
+                tests/test_ghost.py -k "global_norm or check_split or reraise_errors or \
+                README or large_runs or migrating or nonfinite or per-example or padding_ex"
+            tail -60 "$OUT/known.log" ;;
+        parts) limited 150 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
+            --json "$OUT/parts.json" ;;
         *) echo "unknown step $s" ;;
     esac
 done
-for f in "$OUT"/*.json; do [ -e "$f" ] && python3 benchmarks/private.py --markdown "$f"; done
+for f in "$OUT"/transformer_*.json "$OUT"/mlp.json; do
+    [ -e "$f" ] && python3 benchmarks/private.py --markdown "$f"
+done
