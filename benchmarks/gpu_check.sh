@@ -15,6 +15,14 @@
 #     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
 # jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
 set -u
+STEPS="precision t256 t64 t16 mlp ghost fast known parts"
+steps=${*:-precision t256 t64 t16 mlp ghost fast}
+for s in $steps; do  # every step known before anything runs
+    case " $STEPS " in
+        *" $s "*) ;;
+        *) echo "gpu_check.sh: unknown step '$s' (the steps: $STEPS)" >&2; exit 2 ;;
+    esac
+done
 OUT=${OUT:-/tmp/gpu_check}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -35,7 +43,7 @@ tests() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import jax, optax, jax_privacy, flax; print('jax', jax.__version__, 'optax', \
 optax.__version__, 'flax', flax.__version__, jax.devices())"
-for s in ${*:-precision t256 t64 t16 mlp ghost fast}; do
+for s in $steps; do
     case $s in
         precision) limited 80 python3 benchmarks/private_precision.py --batch 16 ;;
         t256 | t64 | t16)
@@ -55,7 +63,6 @@ for s in ${*:-precision t256 t64 t16 mlp ghost fast}; do
             tail -60 "$OUT/known.log" ;;
         parts) limited 150 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
             --json "$OUT/parts.json" ;;
-        *) echo "unknown step $s" ;;
     esac
 done
 for f in "$OUT"/transformer_*.json "$OUT"/mlp.json; do

@@ -57,7 +57,8 @@ def reference(loss, params, batch):
 
 def errors(method, ref_norms, ref_sums) -> tuple[float, float]:
     grads, aux = method
-    norm_err = float(np.max(np.abs(np.asarray(aux.grad_norms, np.float64) - ref_norms) / ref_norms))
+    scale = np.maximum(ref_norms, np.finfo(np.float32).tiny)  # (an example of gradient 0)
+    norm_err = float(np.max(np.abs(np.asarray(aux.grad_norms, np.float64) - ref_norms) / scale))
     sum_err = max(
         float(np.max(np.abs(np.asarray(a, np.float64) - e)) / np.max(np.abs(e)))
         for a, e in zip(jax.tree.leaves(grads), ref_sums, strict=True)

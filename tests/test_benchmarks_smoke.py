@@ -241,6 +241,20 @@ def test_the_precision_benchmark_measures_both_methods_at_both_precisions(tmp_pa
         assert all(r["norms"] < 1e-5 and r["clipped_sum"] < 1e-5 for r in rows), rows
 
 
+def test_the_gpu_check_refuses_an_unknown_step_before_it_runs_any(tmp_path):
+    proc = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "ghost", "ghosts"],
+        cwd=ROOT,
+        env={**os.environ, "OUT": str(tmp_path / "out")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unknown step 'ghosts' (the steps: precision t256" in proc.stderr, proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "out").exists()
+
+
 def refused(*args, why: str):
     """`private_parts.py` with `args` is an argparse error (exit 2) that says `why`."""
     proc = subprocess.run(

@@ -564,8 +564,19 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
 
     bare = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry", "ft_in")}
     assert _trace.scan_counts(eqn.replace(params={**bare, "ft_in": Parts()})) == (2, 3)
-    with pytest.raises(
-        NotImplementedError,
-        match=r"does not know the parameters of this JAX's \(.*\) `scan` \(jaxpr, length, ",
-    ):
-        _trace.scan_counts(eqn.replace(params=bare))
+
+    class Unpackable:  # an `ft_in` that is not a pack (JAX asserts)
+        def unpack(self):
+            raise AssertionError
+
+    class TwoParts:  # an `ft_in` of other parts than consts, carries and scanned inputs
+        def unpack(self):
+            return ([None], [None])
+
+    for params in (bare, {**bare, "ft_in": Unpackable()}, {**bare, "ft_in": TwoParts()}):
+        with pytest.raises(
+            NotImplementedError,
+            match=r"does not know the parameters of this JAX's \(.*\) `scan` "
+            r"\((ft_in, )?jaxpr, length, ",
+        ):
+            _trace.scan_counts(eqn.replace(params=params))

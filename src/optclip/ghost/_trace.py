@@ -180,10 +180,12 @@ def scan_counts(eqn) -> tuple[int, int]:
     params = eqn.params
     if "num_consts" in params and "num_carry" in params:
         return params["num_consts"], params["num_carry"]
-    if "ft_in" in params:
+    try:
         parts = params["ft_in"].unpack()
         if len(parts) == 3:
             return len(parts[0]), len(parts[1])
+    except Exception:  # noqa: BLE001 - none, or not three parts: refused below, by name
+        pass
     raise NotImplementedError(
         f"clipped_grad does not know the parameters of this JAX's ({jax.__version__}) `scan` "
         f"({', '.join(sorted(params))}): where its consts and carries are is not known"
