@@ -10,7 +10,8 @@
 #   fast       the fast tier (the installed JAX may be newer than any on the package index);
 #   known      the tests that failed on an H200 with jax 0.11.2 (BUILD_NOTES, "Known limits"),
 #              with their tracebacks (the fast tier's were cut off by its time limit);
-#   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out.
+#   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out,
+#              and with its Grams at HIGHEST (float32) beside the step's TF32 ones.
 # Each step has its own time limit, and a step that fails leaves the next to run.
 #     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
 # jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
@@ -61,7 +62,7 @@ for s in $steps; do
                 tests/test_ghost.py -k "global_norm or check_split or reraise_errors or \
                 README or large_runs or migrating or nonfinite or per-example or padding_ex"
             tail -60 "$OUT/known.log" ;;
-        parts) limited 150 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
+        parts) limited 200 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
             --json "$OUT/parts.json" ;;
     esac
 done

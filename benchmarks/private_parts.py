@@ -17,11 +17,16 @@ side by side in one process (interleaved medians, ratios to the non-private step
 * ``batched, unchecked``: the norms as one batched product on the factors as they are,
   without the check that this is exact (`_factors.safe`) and its `cond` (on a CPU the engine
   runs a loop over the examples where their Grams are large, `_leaves.LOOP_WORK`: this is the
-  batched way less its check).
+  batched way less its check);
+* ``Grams at HIGHEST``: the step with its Grams at HIGHEST precision, as before issue 20's
+  seventh part (they now follow their products' precision, `_factors.product_precision`:
+  at JAX's default on a GPU, TF32). On a CPU, where float32 products are float32 at every
+  precision, the same step as ``ghost``.
 
-The parts are swapped in by replacing two functions of the ghost engine
-(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`) while each step is traced; each variant's
-norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
+The parts are swapped in by replacing functions of the ghost engine
+(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`) while each step
+is traced; each variant's norms are checked to be what it says (1 for ``norms at 1``). A
+diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -38,7 +43,8 @@ work not counted): the arithmetic each variant must do, whatever the machine. Th
 `cond`s choose between the same products on two platforms, or skip the rare recomputation of
 the norms from rescaled factors (`_factors.safe`): their cheapest branch is the one that runs.
 
-``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``) three ways:
+``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``, at JAX's
+default precision, as the engine computes it for a product at that precision) three ways:
 one batched product (what the engine does), the two halves of its rows apart (the Gram is
 symmetric: three of its four blocks), and one example at a time (`lax.map`).
 """
@@ -64,7 +70,7 @@ import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip.ghost import _leaves, _sums  # noqa: E402
+from optclip.ghost import _factors, _leaves, _sums  # noqa: E402
 
 CLIP = 1.0
 HIGHEST = lax.Precision.HIGHEST
@@ -88,13 +94,14 @@ VARIANTS = {
     "norms at 1": {"leaf_norm_terms": _norms_at_one},
     "sums of 0": {"clipped_sums": _sums_of_zero},
     "batched, unchecked": {"leaf_norm_terms": _unchecked},
+    "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
 }
 
 
 @contextlib.contextmanager
 def swapped(names: dict):
     """The engine with the functions in `names` replaced, for tracing."""
-    modules = {"leaf_norm_terms": _leaves, "clipped_sums": _sums}
+    modules = {"leaf_norm_terms": _leaves, "clipped_sums": _sums, "product_precision": _factors}
     saved = {name: getattr(modules[name], name) for name in names}
     try:
         for name, fn in names.items():
@@ -188,7 +195,7 @@ def grams(batch: int, shape: models.TransformerShape, pairs: int) -> list[dict]:
     half = shape.seq // 2
 
     def gram(a, b):
-        return jnp.einsum("bks,bjs->bkj", a, b, precision=HIGHEST)
+        return jnp.einsum("bks,bjs->bkj", a, b)
 
     def batched(g):
         return jnp.sum(jnp.square(gram(g, g)), axis=(1, 2))

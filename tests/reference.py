@@ -46,6 +46,15 @@ def run(fn, mode):
     return fn if mode == "eager" else jax.jit(fn)
 
 
+def equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it (calls, scans, conds...): what a
+    traced step asks the compiler for."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from equations(sub)
+
+
 def ref_clip_by_norm(x, clip, axes=None) -> np.ndarray:
     """TensorFlow's clip_by_norm in float64: ``x * c / max(norm, c)`` per slice."""
     x = as_f64(x)

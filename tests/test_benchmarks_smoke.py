@@ -13,6 +13,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from jax import lax
+from reference import equations
+
+import optclip
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,6 +174,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "norms at 1",
         "sums of 0",
         "batched, unchecked",
+        "Grams at HIGHEST",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
@@ -195,12 +200,33 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     the weight gradients' products, weighted), so the norms are the whole difference."""
     rows = run_private(tmp_path, "--quick", "--flops", script="private_parts.py")
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
-    variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked"]
+    variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "Grams at HIGHEST"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
-    assert ratios["ghost"] == ratios["batched, unchecked"] > 1.05, ratios
+    assert ratios["ghost"] == ratios["batched, unchecked"] == ratios["Grams at HIGHEST"] > 1.05
     assert ratios["sums of 0"] < 1.0, ratios
     refused("--flops", "--grams", why="--flops counts the steps' parts")
+
+
+def test_the_highest_variant_computes_the_grams_at_highest():
+    """private_parts.py's ``Grams at HIGHEST`` swaps the engine's choice of the Grams'
+    precision: a product at bfloat16 gets its Grams at HIGHEST there, at bfloat16 in
+    ``ghost``."""
+    parts = load("private_parts.py")
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 5, 3))
+    found = {}
+    for name in ("ghost", "Grams at HIGHEST"):
+        step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+        with parts.swapped(parts.VARIANTS[name]), jax.default_matmul_precision("bfloat16"):
+            jaxpr = jax.make_jaxpr(step)(w, x).jaxpr
+        found[name] = {
+            eqn.params["precision"][0]
+            for eqn in equations(jaxpr)
+            if eqn.primitive.name == "dot_general"
+            and [len(v.aval.shape) for v in eqn.invars] == [5, 5]
+        }
+    assert found == {"ghost": {lax.Precision.DEFAULT}, "Grams at HIGHEST": {lax.Precision.HIGHEST}}
 
 
 def test_matrix_products_are_counted_as_often_as_they_run():

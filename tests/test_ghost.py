@@ -12,7 +12,7 @@ from ghost_models import RTOL, assert_tree_close
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from jax import lax
-from reference import run
+from reference import equations, run
 
 import optclip
 
@@ -260,12 +260,84 @@ def test_low_precision_models_accumulate_norms_in_float32(dtype):
 
 def shapes_in(jaxpr):
     """Every shape of every value a jaxpr (and the jaxprs inside it) computes."""
-    out = set()
-    for eqn in jaxpr.eqns:
-        out |= {tuple(v.aval.shape) for v in eqn.outvars if hasattr(v.aval, "shape")}
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            out |= shapes_in(sub)
+    return {
+        tuple(v.aval.shape)
+        for eqn in equations(jaxpr)
+        for v in eqn.outvars
+        if hasattr(v.aval, "shape")
+    }
+
+
+def grams_in(jaxpr):
+    """``(precision, operand shapes)`` of every per-example Gram (or direct product) of the
+    norms in a jaxpr and the jaxprs inside it: the `dot_general`s of two ``(L, B, H, K, S)``
+    factors, batched over ``(L, B, H)``."""
+    out = []
+    for eqn in equations(jaxpr):
+        if eqn.primitive.name == "dot_general":
+            shapes = tuple(v.aval.shape for v in eqn.invars)
+            _, batch = eqn.params["dimension_numbers"]
+            if tuple(map(tuple, batch)) == ((0, 1, 2), (0, 1, 2)) and len(shapes[0]) == 5:
+                out.append((eqn.params["precision"], shapes))
     return out
+
+
+P = lax.Precision
+# `jax_default_matmul_precision`: the precision of the Grams of the products it sets (a GPU
+# computes DEFAULT and HIGH as TF32, HIGHEST as float32; a TPU 1, 3 and 6 passes of bfloat16).
+GRAM_PRECISION = {
+    None: None,
+    "bfloat16": (P.DEFAULT, P.DEFAULT),
+    "tensorfloat32": (P.HIGH, P.HIGH),
+    "float32": (P.HIGHEST, P.HIGHEST),
+    "TF32_TF32_F32": (P.HIGH, P.HIGH),
+    "BF16_BF16_F32_X3": (P.HIGH, P.HIGH),
+    "BF16_BF16_F32_X6": (P.HIGHEST, P.HIGHEST),
+    "F16_F16_F32": (P.HIGHEST, P.HIGHEST),  # (any other algorithm: exact)
+}
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("default", list(GRAM_PRECISION))
+@pytest.mark.parametrize("name", ["mlp", "sequence", "scanned", "conv"])
+def test_grams_are_computed_at_the_precision_of_their_product(name, default):
+    # At JAX's default precision a GPU's float32 products are TF32: the norms' Grams at
+    # HIGHEST (float32) would be several times slower than the products they stand for.
+    loss, params, x = MODELS[name](np.random.default_rng(0))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    with jax.default_matmul_precision(default):
+        grams = grams_in(jax.make_jaxpr(g)(params, x).jaxpr)
+    assert grams and {p for p, _ in grams} == {GRAM_PRECISION[default]}
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize(
+    "written, expected",
+    [
+        ((P.DEFAULT, P.HIGHEST), (P.HIGHEST, P.HIGHEST)),  # one per operand: the higher
+        (P.HIGH, (P.HIGH, P.HIGH)),
+        (lax.DotAlgorithmPreset.DEFAULT, None),  # JAX's default
+        (lax.DotAlgorithm(jnp.float32, jnp.float32, jnp.float32), (P.HIGHEST, P.HIGHEST)),
+    ],
+)
+def test_grams_follow_a_precision_written_in_the_model(written, expected):
+    loss = lambda w, x: jnp.sum(jnp.sin(jnp.dot(x, w, precision=written)))  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    grams = grams_in(jax.make_jaxpr(g)(jnp.ones((3, 4)), jnp.ones((2, 5, 3))).jaxpr)
+    assert grams and {p for p, _ in grams} == {expected}
+
+
+def test_an_embeddings_grams_are_exact_whatever_the_default_precision():
+    # A lookup's gradient is a sum of output-gradient rows, no product: the Gram of those rows
+    # is at HIGHEST; the dense layer after it (direct route: T (3 + 6) > 3 * 6) follows the
+    # default.
+    params = {"table": jnp.ones((7, 3)), "w": jnp.ones((3, 6))}
+    loss = lambda p, ids: jnp.sum(jnp.sin(jnp.take(p["table"], ids, axis=0) @ p["w"]))  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    with jax.default_matmul_precision("bfloat16"):
+        grams = grams_in(jax.make_jaxpr(g)(params, jnp.zeros((2, 5), jnp.int32)).jaxpr)
+    found = {(p, tuple(s[-1] for s in shapes)) for p, shapes in grams}
+    assert found == {((P.HIGHEST, P.HIGHEST), (3, 3)), ((P.DEFAULT, P.DEFAULT), (3, 6))}
 
 
 @pytest.mark.parametrize("length", [5, 40])

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from reference import as_f64, assert_close
+from reference import as_f64, assert_close, equations
 
 import optclip
 
@@ -397,6 +397,22 @@ def test_no_clipped_copy_of_the_batch_is_made():
     size = sum(x.size * x.dtype.itemsize for x in grads)
     compiled = CLIP.lower(grads, 1.0).compile()
     assert compiled.memory_analysis().temp_size_in_bytes < size / 4
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("fn", [optclip.per_example_clip, optclip.per_example_layer_clip])
+@pytest.mark.parametrize("default", [None, "bfloat16", "tensorfloat32"])
+def test_the_weighted_sums_are_exact_at_any_default_matmul_precision(fn, default):
+    """The clipped sum is a product of the scales with the gradients: at JAX's default
+    precision a GPU would round both to TF32 (10 bits), a TPU to bfloat16. It is computed at
+    HIGHEST whatever the default (this machine's products are float32 at every precision:
+    what the step asks for is checked)."""
+    grads = {"w": jnp.ones((B, 3, 4)), "b": jnp.ones((B, 4), jnp.bfloat16)}
+    with jax.default_matmul_precision(default):
+        jaxpr = jax.make_jaxpr(lambda g: fn(g, 1.0))(grads).jaxpr
+    highest = (jax.lax.Precision.HIGHEST, jax.lax.Precision.HIGHEST)
+    dots = [e.params["precision"] for e in equations(jaxpr) if e.primitive.name == "dot_general"]
+    assert dots == [highest, highest]
 
 
 # Errors -----------------------------------------------------------------------------------

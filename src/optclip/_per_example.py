@@ -79,12 +79,15 @@ def _summed_sharding(x):
 
 def _weighted_sum(scales, x):
     """``sum_b scales[b] * x[b]``: one contraction over the batch axis, accumulated in float32
-    for float16/bfloat16 leaves and rounded once to `x`'s dtype."""
+    for float16/bfloat16 leaves and rounded once to `x`'s dtype. At HIGHEST precision: JAX's
+    default on a GPU (TF32) or a TPU (bfloat16) would round every scale and gradient to 10 or
+    8 bits first (a matrix-vector product, which reads every gradient once at any precision)."""
     work = _work_dtype(x.dtype)
     total = lax.dot_general(
         scales.astype(work),
         x,
         (((0,), (0,)), ((), ())),
+        precision=lax.Precision.HIGHEST,
         preferred_element_type=work,
         out_sharding=_summed_sharding(x),
     )

@@ -35,6 +35,34 @@ import jax.numpy as jnp
 from jax import lax
 
 HIGHEST = lax.Precision.HIGHEST
+_RANK = {None: 0, lax.Precision.DEFAULT: 0, lax.Precision.HIGH: 1, HIGHEST: 2}
+# JAX's algorithm presets by the `lax.Precision` of their accuracy (on a GPU: DEFAULT and HIGH
+# are TF32, HIGHEST float32; on a TPU: 1, 3 and 6 passes of bfloat16); others are HIGHEST.
+_PRESETS = {
+    "DEFAULT": None,
+    "BF16_BF16_F32": lax.Precision.DEFAULT,
+    "BF16_BF16_F32_X3": lax.Precision.HIGH,
+    "TF32_TF32_F32": lax.Precision.HIGH,
+}
+
+
+def product_precision(precision):
+    """The `lax.Precision` (None: JAX's default) of a use's Grams, from the `precision` of the
+    model's product they stand for (a `dot_general`'s or a convolution's): that precision, so
+    that the norms are computed as the product is, and cost what it costs (at JAX's default on
+    a GPU, TF32 where float32 would be several times slower). A pair (one per operand) gives
+    the higher; an algorithm preset the `lax.Precision` of its accuracy; any other algorithm
+    HIGHEST."""
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, tuple) and all(isinstance(p, lax.Precision) for p in precision):
+        return higher(*precision)
+    return _PRESETS.get(str(getattr(precision, "name", "")), HIGHEST)
+
+
+def higher(*precisions):
+    """The highest of `precisions` (`lax.Precision` or None, JAX's default)."""
+    return max(precisions, key=lambda p: _RANK[p])
 
 
 @dataclasses.dataclass
@@ -42,12 +70,14 @@ class Factor:
     """One side of a use's outer products: `values` of shape ``(L, B, H, K, S)``, or for a
     lookup's one-hot side `ids` of shape ``(L, B, H, K)`` into `size` rows; `exponent` (int32,
     ``(L, B)``) is that of a power of two near the largest magnitude of each layer of each
-    example (`magnitude`; 0 for a one-hot side, which is never scaled)."""
+    example (`magnitude`; 0 for a one-hot side, which is never scaled); `precision` that of
+    its Grams (`product_precision`: a Gram of two factors takes the higher)."""
 
     values: Any = None
     ids: Any = None
     size: int = 0
     exponent: Any = None
+    precision: Any = HIGHEST
 
     @property
     def shape(self) -> tuple:
@@ -96,10 +126,11 @@ def safe_squares(f: Factor):
     return fits | (e == ZERO_EXPONENT)
 
 
-def factor(x, acc) -> Factor:
-    """`x` (shape ``(L, B, H, K, S)``) in `acc`, as a `Factor` with its `magnitude`."""
+def factor(x, acc, precision=HIGHEST) -> Factor:
+    """`x` (shape ``(L, B, H, K, S)``) in `acc`, as a `Factor` with its `magnitude`, its Grams
+    at `precision`."""
     x = x.astype(acc)
-    return Factor(x, exponent=magnitude(x))
+    return Factor(x, exponent=magnitude(x), precision=precision)
 
 
 def magnitude(x):
@@ -145,8 +176,10 @@ def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
     ...)`` (one level per enclosing scan); `sliced` says per level whether the view is sliced
     along it (stacked layers) or the same at every iteration (its uses are summed)."""
     a_batch, a_free, a_contract, out_a, out_v = dense_dims(eqn, pos)
-    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc)
-    return x, factor(arrange(grad, sliced, (tuple(range(len(a_batch))), out_a, out_v)), acc)
+    precision = product_precision(eqn.params["precision"])
+    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc, precision)
+    y = arrange(grad, sliced, (tuple(range(len(a_batch))), out_a, out_v))
+    return x, factor(y, acc, precision)
 
 
 def dense_dims(eqn, pos: int):
@@ -193,15 +226,17 @@ def conv_factors(record, grad, eqn, acc):
     x = jnp.moveaxis(x, 2, -1)  # (B, N, *spatial, features)
     y = jnp.transpose(grad, (0, *(1 + d for d in out_spec)))
     y = jnp.moveaxis(y, 2, -1)  # (B, N, *spatial, out features)
-    x = factor(x.reshape(1, x.shape[0], 1, -1, x.shape[-1]), acc)
-    return x, factor(y.reshape(1, y.shape[0], 1, -1, y.shape[-1]), acc)
+    precision = product_precision(p["precision"])
+    x = factor(x.reshape(1, x.shape[0], 1, -1, x.shape[-1]), acc, precision)
+    return x, factor(y.reshape(1, y.shape[0], 1, -1, y.shape[-1]), acc, precision)
 
 
 def embed_factors(indices, grad, eqn, found, acc):
     """The factors of an embedding lookup (outside scans), `found` its `_trace.Lookup`: one-hot
-    rows (the row index of each index vector) and the output gradient's rows. The lookup's mode
-    decides what an index out of range does: clamped, or its row dropped (as is a row whose
-    column index is not 0, the only start of a whole row)."""
+    rows (the row index of each index vector) and the output gradient's rows, whose Grams are
+    at HIGHEST precision (the lookup's gradient is a sum of those rows: no product's rounding
+    to follow). The lookup's mode decides what an index out of range does: clamped, or its row
+    dropped (as is a row whose column index is not 0, the only start of a whole row)."""
     rows = eqn.invars[0].aval.shape[found.row]
     batch = indices.shape[0]
     ids = indices[..., found.row_index].reshape(1, batch, 1, -1)
@@ -219,7 +254,8 @@ def embed_factors(indices, grad, eqn, found, acc):
 def gram(a: Factor, b: Factor, acc):
     """``(L, B, H, Ka, Kb)``: the inner products of every row of `a` with every row of `b`."""
     if a.values is not None and b.values is not None:
-        return jnp.einsum("lbhks,lbhjs->lbhkj", a.values, b.values, precision=HIGHEST)
+        precision = higher(a.precision, b.precision)
+        return jnp.einsum("lbhks,lbhjs->lbhkj", a.values, b.values, precision=precision)
     if a.values is None and b.values is None:
         return (a.ids[..., :, None] == b.ids[..., None, :]).astype(acc)
     if a.values is None:
@@ -245,7 +281,8 @@ def self_term(x: Factor, y: Factor, acc):
         k, c = x.values.shape[3:]
         f = y.values.shape[4]
         if k * (c + f) > c * f:
-            g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=HIGHEST)
+            precision = higher(x.precision, y.precision)
+            g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=precision)
             return jnp.sum(jnp.square(lax.optimization_barrier(g)), axis=(2, 3, 4))
     return pair_term(x, y, x, y, acc)
 
