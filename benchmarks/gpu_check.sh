@@ -11,12 +11,14 @@
 #   known      the tests that failed on an H200 with jax 0.11.2 (BUILD_NOTES, "Known limits"),
 #              with their tracebacks (the fast tier's were cut off by its time limit);
 #   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out,
-#              and with its Grams at HIGHEST (float32) beside the step's TF32 ones.
+#              and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
+#   mlpparts   the same on the MLP at 16 and 256, whose steps of a tenth of a millisecond
+#              count kernels and the `cond`s' branch decisions.
 # Each step has its own time limit, and a step that fails leaves the next to run.
 #     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
 # jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
 set -u
-STEPS="precision t256 t64 t16 mlp ghost fast known parts"
+STEPS="precision t256 t64 t16 mlp ghost fast known parts mlpparts"
 steps=${*:-precision t256 t64 t16 mlp ghost fast}
 for s in $steps; do  # every step known before anything runs
     case " $STEPS " in
@@ -64,6 +66,8 @@ for s in $steps; do
             tail -60 "$OUT/known.log" ;;
         parts) limited 200 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
             --json "$OUT/parts.json" ;;
+        mlpparts) limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
+            --pairs 20 --json "$OUT/mlp_parts.json" ;;
     esac
 done
 for f in "$OUT"/transformer_*.json "$OUT"/mlp.json; do

@@ -334,8 +334,8 @@ def check_split(tree, axis_name) -> None:
       ...     return optclip.global_norm(grads, axis_name="i")
       >>> grads = jnp.arange(8.0).reshape(4, 2)      # 4 "devices" (a named vmap here)
       >>> try:
-      ...     with optclip.reraise_errors():
-      ...         jax.vmap(step, axis_name="i")(grads)
+      ...     with optclip.reraise_errors():  # (one program, awaited: where a GPU reports it)
+      ...         _ = jax.block_until_ready(jax.jit(jax.vmap(step, axis_name="i"))(grads))
       ... except optclip.AxisNameError as error:
       ...     print(str(error)[:76])
       `axis_name` declares leaves split over mesh axes on which they are the same

@@ -106,6 +106,7 @@ def reraise_errors():
       >>> try:
       ...     with optclip.reraise_errors():
       ...         updates, state = step(grads, clip.init(grads))
+      ...         _ = jax.block_until_ready(updates)  # (where a GPU reports it)
       ... except optclip.NonFiniteNormError as error:
       ...     print("caught:", type(error).__name__)
       caught: NonFiniteNormError
