@@ -327,6 +327,19 @@ def test_grams_follow_a_precision_written_in_the_model(written, expected):
     assert grams and {p for p, _ in grams} == {expected}
 
 
+@pytest.mark.every_case
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("written", [(P.DEFAULT, P.HIGHEST), P.HIGH, "F32_F32_F32"])
+def test_a_model_written_with_a_precision_matches_the_float64_reference(written, mode):
+    # The Grams run at the precision read from the model (float32 products on this CPU at
+    # every one of these): the norms and the clipped sum as the float64 reference's.
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(4, 5, 3)), jnp.float32)
+    loss = lambda w, x: jnp.sum(jnp.sin(jnp.dot(x, w, precision=written)))  # noqa: E731
+    check_against_reference(loss, w, x, 0.5, mode=mode)
+
+
 def test_an_embeddings_grams_are_exact_whatever_the_default_precision():
     # A lookup's gradient is a sum of output-gradient rows, no product: the Gram of those rows
     # is at HIGHEST; the dense layer after it (direct route: T (3 + 6) > 3 * 6) follows the
