@@ -13,12 +13,15 @@
 #   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out,
 #              and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
 #   mlpparts   the same on the MLP at 16 and 256, whose steps of a tenth of a millisecond
-#              count kernels and the `cond`s' branch decisions.
+#              count kernels and the `cond`s' branch decisions;
+#   kernels    private_parts.py --kernels: both steps' device time by source line, the
+#              transformer and the MLP at 256, with XLA's command buffers off (with them, a
+#              profile shows each CUDA graph as one event: no instruction is named).
 # Each step has its own time limit, and a step that fails leaves the next to run.
 #     OUT=/some/dir bash benchmarks/gpu_check.sh [step ...]
 # jax_privacy and its needs travel as wheels in .whl/ where the machine has none.
 set -u
-STEPS="precision t256 t64 t16 mlp ghost fast known parts mlpparts"
+STEPS="precision t256 t64 t16 mlp ghost fast known parts mlpparts kernels"
 steps=${*:-precision t256 t64 t16 mlp ghost fast}
 for s in $steps; do  # every step known before anything runs
     case " $STEPS " in
@@ -68,6 +71,12 @@ for s in $steps; do
             --json "$OUT/parts.json" ;;
         mlpparts) limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
             --pairs 20 --json "$OUT/mlp_parts.json" ;;
+        kernels)
+            off="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
+            XLA_FLAGS=$off limited 90 python3 benchmarks/private_parts.py --kernels \
+                --batches 256 --top 45 --json "$OUT/kernels.json"
+            XLA_FLAGS=$off limited 60 python3 benchmarks/private_parts.py --kernels --mlp \
+                --batches 256 --top 25 --json "$OUT/mlp_kernels.json" ;;
     esac
 done
 for f in "$OUT"/transformer_*.json "$OUT"/mlp.json; do

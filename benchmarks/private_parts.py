@@ -5,6 +5,7 @@
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --flops [--mlp] [--batches 16 256]
+    python benchmarks/private_parts.py --kernels [--mlp] [--batches 256] [--top 30]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
 side by side in one process (interleaved medians, ratios to the non-private step):
@@ -18,6 +19,11 @@ side by side in one process (interleaved medians, ratios to the non-private step
   without the check that this is exact (`_factors.safe`) and its `cond` (on a CPU the engine
   runs a loop over the examples where their Grams are large, `_leaves.LOOP_WORK`: this is the
   batched way less its check);
+* ``check without cond``: the norms computed and checked as in ``ghost``, but the check only
+  turns a norm it finds inexact into NaN (`jnp.where`) where ``ghost`` takes a `lax.cond` to
+  the scaled way: what the `cond` costs beside the check's reductions;
+* ``sums without cond``: the clipped sums without their `cond`s (the ghost sites' and the
+  materialised leaves', each a second way for a dropped example of non-finite gradient);
 * ``Grams at HIGHEST``: the step with its Grams at HIGHEST precision, as before issue 20's
   seventh part (they now follow their products' precision, `_factors.product_precision`:
   at JAX's default on a GPU, TF32). On a CPU, where float32 products are float32 at every
@@ -43,6 +49,11 @@ work not counted): the arithmetic each variant must do, whatever the machine. Th
 `cond`s choose between the same products on two platforms, or skip the rare recomputation of
 the norms from rescaled factors (`_factors.safe`): their cheapest branch is the one that runs.
 
+``--kernels`` profiles the non-private step and the ghost step (`_kernels.by_line`: device
+time per call by the source line of each HLO instruction, a GPU's kernels summed per
+instruction) and prints the `--top` lines whose time differs most between them: the model's
+own lines (the tapped pass against the ordinary backward pass) beside the engine's.
+
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``, at JAX's
 default precision, as the engine computes it for a product at that precision) three ways:
 one batched product (what the engine does), the two halves of its rows apart (the Gram is
@@ -66,10 +77,12 @@ from jax import lax
 from jax.extend import core as jcore
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _kernels  # noqa: E402
 import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
 
 import optclip  # noqa: E402
+from optclip import _per_example  # noqa: E402
 from optclip.ghost import _factors, _leaves, _sums  # noqa: E402
 
 CLIP = 1.0
@@ -89,11 +102,27 @@ def _unchecked(t):
     return _leaves._terms(t, scaled=False)[0]
 
 
+def _checked_without_cond(t):
+    terms, safe = _leaves._unscaled(t)
+    return [(e, jnp.where(safe, v, jnp.nan)) for e, v in terms]
+
+
+def _sums_without_cond(t, w, keep, finite, spmd_axis_name=None):
+    sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
+    wanted = sorted(t.example_grads)
+    extra = _per_example._sums([t.example_grads[k] for k in wanted], lambda i: w, keep, "propagate")
+    for k, g in zip(wanted, extra, strict=True):
+        sums[k] = sums[k] + g.astype(sums[k].dtype)
+    return sums
+
+
 VARIANTS = {
     "ghost": {},
     "norms at 1": {"leaf_norm_terms": _norms_at_one},
     "sums of 0": {"clipped_sums": _sums_of_zero},
     "batched, unchecked": {"leaf_norm_terms": _unchecked},
+    "check without cond": {"leaf_norm_terms": _checked_without_cond},
+    "sums without cond": {"clipped_sums": _sums_without_cond},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
 }
 
@@ -190,6 +219,26 @@ def parts(loss, params, batch, pairs: int) -> list[dict]:
     return rows
 
 
+def kernels(loss, params, batch, top: int) -> list[dict]:
+    size = jax.tree.leaves(batch)[0].shape[0]
+    steps = {
+        "non-private": jax.jit(_non_private(loss, size)),
+        "ghost": jax.jit(optclip.clipped_grad(loss, l2_clip_norm=CLIP)),
+    }
+    times = {
+        name: _kernels.by_line(step.lower(params, batch).compile(), (params, batch), calls=5)
+        for name, step in steps.items()
+    }
+    plain, ghost = times["non-private"], times["ghost"]
+    rows = [
+        dict(line=line, batch=size, ghost_s=ghost.get(line, 0.0), plain_s=plain.get(line, 0.0))
+        for line in set(plain) | set(ghost)
+    ]
+    rows.sort(key=lambda r: -abs(r["ghost_s"] - r["plain_s"]))
+    total = dict(line="(all)", batch=size, ghost_s=sum(ghost.values()), plain_s=sum(plain.values()))
+    return [total, *rows[:top]]
+
+
 def grams(batch: int, shape: models.TransformerShape, pairs: int) -> list[dict]:
     g = jax.random.normal(jax.random.key(0), (batch, shape.seq, shape.vocab))
     half = shape.seq // 2
@@ -277,8 +326,14 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--flops", action="store_true", help="each variant's matrix-product operations, untimed"
     )
+    parser.add_argument(
+        "--kernels", action="store_true", help="device time by source line, profiled"
+    )
+    parser.add_argument("--top", type=_timing.count, default=30, help="lines --kernels prints")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.kernels and (args.flops or args.grams or args.products):
+        parser.error("--kernels profiles the two steps: not with --flops, --grams or --products")
     if args.flops and (args.grams or args.products):
         parser.error("--flops counts the steps' parts: not with --grams or --products")
     if args.grams and args.mlp:
@@ -311,13 +366,18 @@ def main(argv=None) -> list[dict]:
             new = products(b, mlp, pairs)
         elif args.flops:
             new = flops(loss, params, make_batch(b))
+        elif args.kernels:
+            new = kernels(loss, params, make_batch(b), args.top)
         else:
             new = parts(loss, params, make_batch(b), pairs)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")
             label = row.get("variant", row.get("way"))
-            if "flops" in row:
+            if "line" in row:
+                text = f"batch {b:4d}  {row['line']:28s} ghost {row['ghost_s'] * 1e3:8.3f} ms"
+                text += f"  non-private {row['plain_s'] * 1e3:8.3f} ms"
+            elif "flops" in row:
                 text = f"batch {b:4d}  {label:24s} {row['flops'] / 1e9:10.2f} GFLOP"
                 ratio = row.get("flop_ratio")
             else:

@@ -13,6 +13,15 @@ import pytest
 from _workers import launch
 
 
+def pytest_configure(config):
+    """On a GPU or TPU the tests' matrix products are float32's, as on a CPU: JAX's default
+    precision there is TF32 or bfloat16, and the tests compare with float64 references at
+    float32's tolerances. (A test of what a precision does sets it itself; a precision set in
+    the environment, ``JAX_DEFAULT_MATMUL_PRECISION``, is kept.)"""
+    if jax.config.jax_default_matmul_precision is None and jax.default_backend() != "cpu":
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
 @pytest.fixture(params=["eager", "jit"])
 def mode(request):
     """Runs a test once eagerly and once under `jax.jit`."""

@@ -10,6 +10,11 @@ files of the repository are relative to the page), add ``guides/NAME`` to the gu
 here with no change to this file. A page whose blocks need several devices says so with
 ``<!-- blocks run on 8 CPU devices -->``; its blocks then run together in one subprocess with
 JAX on that many CPU devices (write them so that they print the same on any device count).
+
+The pages show a CPU's output. On another backend the text must match but its decimal numbers
+only to a relative 1e-3 (`same_but_digits`): a GPU's float32 division and square root may be an
+ulp off the correctly rounded value (XLA emits its approximate forms there), and its float16
+products add in another order, so the last printed digits may differ.
 """
 
 import re
@@ -17,6 +22,8 @@ import subprocess
 import sys
 import tomllib
 
+import jax
+import numpy as np
 import pytest
 from _workers import doc_blocks, launch
 from packaging.requirements import Requirement
@@ -33,6 +40,23 @@ _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 def lines(text):
     return [line.rstrip() for line in text.strip().splitlines()]
+
+
+_DECIMAL = re.compile(r"[-+]?(?:\d+\.\d*|\.\d+)(?:[eE][-+]?\d+)?|[-+]?\d+[eE][-+]?\d+")
+
+
+def same_but_digits(printed: str, expected: str) -> bool:
+    """The same lines once every decimal number is set aside (and the spaces NumPy pads an
+    array's entries with), and the decimal numbers equal to a relative 1e-3 (NaN to NaN);
+    integers, words and signs as they are."""
+    skeleton = lambda text: [re.sub(r"\s+", "", _DECIMAL.sub("#", x)) for x in lines(text)]  # noqa: E731
+    numbers = lambda text: [float(x) for x in _DECIMAL.findall(text)]  # noqa: E731
+    a, b = numbers(printed), numbers(expected)
+    return (
+        skeleton(printed) == skeleton(expected)
+        and len(a) == len(b)
+        and np.allclose(a, b, rtol=1e-3, atol=1e-6, equal_nan=True)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +104,7 @@ def test_block_prints_what_the_page_says(block, several_devices):
         printed = doc_blocks.run(block)
     if block.expected is None:
         assert not printed, f"{block.name} prints; follow it with a ```text block:\n{printed}"
-    else:
+    elif jax.default_backend() == "cpu" or not same_but_digits(printed, block.expected):
         assert lines(printed) == lines(block.expected), block.name
 
 
@@ -155,3 +179,21 @@ def test_the_lowest_versions_ci_tests_are_the_lower_bounds_pyproject_declares():
     readme = README.read_text()
     for name in ("jax", "jaxlib", "optax", "numpy"):
         assert f"`{name}` {bounds[name]}" in readme, f"README does not give {name}'s floor"
+
+
+@pytest.mark.parametrize(
+    "printed, expected, same",
+    [
+        ("50.0 [2.9999998 3.9999998] 50.0", "50.0 [3. 4.] 50.0", True),
+        ("[1.2       1.5999999]", "[1.2 1.6]", True),
+        ("loss 3.1381  skipped (overflow)", "loss 3.1380  skipped", False),
+        ("loss 3.1381  scale 32768", "loss 3.1380  scale 32769", False),
+        ("loss 3.2  scale 32768", "loss 3.1  scale 32768", False),
+        ("[5.e+00 5.e+01 nan]", "[5.e+00 5.e+01 nan]", True),
+        ("[5.e+00 5.e+01]", "[5.e+00 5.e+01 5.e+20]", False),
+        ("-1.0", "1.0", False),
+    ],
+)
+@pytest.mark.every_case
+def test_a_gpus_output_may_differ_in_its_last_digits_only(printed, expected, same):
+    assert same_but_digits(printed, expected) is same

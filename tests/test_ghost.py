@@ -3,6 +3,9 @@ reference built from materialised per-example gradients, for every layer kind, t
 tied parameters and scanned blocks; padding, zero and non-finite examples; low precision;
 what goes ghost; and the arguments' checks."""
 
+import inspect
+import re
+
 import ghost_models as gm
 import jax
 import jax.numpy as jnp
@@ -103,11 +106,13 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
 
     loss, params, x = MODELS[name](np.random.default_rng(13))
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    choices = str(jax.make_jaxpr(g)(params, x)).count("platform_index")  # (records pinned)
+    text = str(jax.make_jaxpr(g)(params, x))  # (records pinned, magnitudes: platform choices)
+    choices, loops = text.count("platform_index"), text.count("scan[")
     batched = jax.jit(g)(params, x)
     monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
-    assert str(jax.make_jaxpr(g)(params, x)).count("platform_index") == choices + 1
+    text = str(jax.make_jaxpr(g)(params, x))  # one more choice: the loop (`lax.map`) on a CPU
+    assert text.count("platform_index") > choices and text.count("scan[") == loops + 1
     looped = check_against_reference(loss, params, x, 1.0)
     np.testing.assert_allclose(looped[1].grad_norms, batched[1].grad_norms, rtol=1e-6)
     assert_tree_close(looped[0], jax.tree.map(np.asarray, batched[0]), rtol=1e-6)
@@ -665,3 +670,51 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
             r"\((ft_in, )?jaxpr, length, ",
         ):
             _trace.scan_counts(eqn.replace(params=params))
+
+
+def test_the_private_step_keeps_the_models_source_lines():
+    """The tapped pass binds the model's equations again under their own source lines, as
+    `jax.grad` keeps them: a profile of the private step, or its compiled module's metadata,
+    names the model's lines, not the engine's."""
+
+    def loss(w, x):
+        return jnp.sum(jnp.cos(jnp.sin(x @ w)))
+
+    line = inspect.getsourcelines(loss)[1] + 1
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 5, 3))
+    for step in (jax.grad(loss), optclip.clipped_grad(loss, l2_clip_norm=1.0)):
+        text = jax.jit(step).lower(w, x).as_text(debug_info=True)
+        located = re.findall(r'loc\("[^"]*test_ghost\.py":(\d+):', text)
+        assert str(line) in located, (step, sorted(set(located)))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
+        min_size=0,
+        max_size=12,
+    )
+)
+def test_a_factors_magnitude_is_the_same_read_once_or_twice(values):
+    """`_factors.magnitude` reduces a factor as its largest and smallest entries on a CPU and
+    as ``max |x|`` elsewhere: the same largest magnitude (NaN where there is one, 0 for none)
+    and the same exponent, ``2**(e-1) <= max|x| < 2**e``."""
+    from optclip.ghost import _factors
+
+    x = np.zeros((2, 3, 12), np.float32)
+    x[1, 2, : len(values)] = values
+    x[0, 1, :3] = [-0.0, 1e-45, -3.0]
+    flat = jnp.asarray(x)
+    apart, at_once = _factors._largest_apart(flat), _factors._largest_at_once(flat)
+    np.testing.assert_array_equal(apart, at_once)
+    wide = np.abs(x.astype(np.float64))
+    wide[wide < np.finfo(np.float32).tiny] = 0  # (XLA flushes float32's subnormals)
+    expected = np.where(np.isnan(wide).any(axis=2), np.nan, np.nanmax(wide, axis=2, initial=0))
+    np.testing.assert_array_equal(np.asarray(at_once, np.float64), expected)
+    exponent = np.asarray(_factors.magnitude(flat))
+    finite = np.isfinite(expected) & (expected > 0)
+    assert np.all(2.0 ** (exponent[finite] - 1) <= expected[finite])
+    assert np.all(expected[finite] < 2.0 ** exponent[finite])
+    assert np.all(exponent[expected == 0] == _factors.ZERO_EXPONENT)
+    assert np.all(exponent[~np.isfinite(expected)] == 0)

@@ -48,8 +48,9 @@ def global_norm(tree, *, ord=2, axis_name=None):
 
     Examples:
       >>> import jax.numpy as jnp, optclip
-      >>> print(optclip.global_norm([jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])]))
-      15.652476
+      >>> norm = optclip.global_norm([jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])])
+      >>> print(f"{norm:.5f}")  # sqrt(245)
+      15.65248
       >>> print(optclip.global_norm({"w": jnp.array([3., -4.])}, ord=1))
       7.0
     """
@@ -335,8 +336,8 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
       >>> import jax.numpy as jnp, numpy as np, optclip
       >>> grads = [jnp.array([-2., 3., 6.]), jnp.array([-4., 6., 12.])]
       >>> clipped, norm = optclip.clip_by_global_norm(grads, 14.5)
-      >>> print(norm, np.round(np.float64(clipped[0]), 4))
-      15.652476 [-1.8527  2.7791  5.5582]
+      >>> print(f"{norm:.5f}", np.round(np.float64(clipped[0]), 4))
+      15.65248 [-1.8527  2.7791  5.5582]
     """
     _checks.check_scalar(clip_norm, "clip_norm")
     leaves = _norms.float_leaves(tree, "clip_by_global_norm")

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax._src import source_info_util  # (no public way to bind under an equation's source line)
 from jax.extend import core as jcore
 
 from optclip.ghost import _trace
@@ -68,6 +69,17 @@ class Tapped:
         )
 
 
+def _located(eqn):
+    """The context that gives what `eqn` binds its own source line and name, as
+    `jax.core.eval_jaxpr` does: a profile or the compiled module's metadata of the private step
+    then names the model's lines, not this module's."""
+    info = getattr(eqn, "source_info", None)
+    if info is None:
+        return contextlib.nullcontext()
+    stack = source_info_util.current_name_stack() + info.name_stack
+    return source_info_util.user_context(info.traceback, name_stack=stack)
+
+
 def bind(eqn, invals):
     """The outputs of `eqn` on `invals`, always as a list."""
     params = eqn.primitive.get_bind_params(eqn.params)
@@ -75,7 +87,7 @@ def bind(eqn, invals):
     if isinstance(params, tuple):  # (older JAX: subfunctions first)
         subfuns, params = params
     ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
-    with contextlib.nullcontext() if ctx is None else ctx:
+    with contextlib.nullcontext() if ctx is None else ctx, _located(eqn):
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
 
