@@ -74,8 +74,10 @@ def by_line(compiled, args, calls: int) -> dict[str, float]:
         with jax.profiler.trace(folder):
             for _ in range(calls):
                 jax.block_until_ready(compiled(*args))
-        (path,) = pathlib.Path(folder).rglob("*.xplane.pb")
-        data = ProfileData.from_file(str(path))
+        paths = list(pathlib.Path(folder).rglob("*.xplane.pb"))
+        if len(paths) != 1:
+            raise RuntimeError(f"the trace wrote {len(paths)} profiles, not one: {paths}")
+        data = ProfileData.from_file(str(paths[0]))
     names = labels(compiled.as_text())
     totals: dict[str, float] = collections.defaultdict(float)
     for name, seconds in _events(data):

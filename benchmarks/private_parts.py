@@ -82,7 +82,6 @@ import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip import _per_example  # noqa: E402
 from optclip.ghost import _factors, _leaves, _sums  # noqa: E402
 
 CLIP = 1.0
@@ -109,11 +108,7 @@ def _checked_without_cond(t):
 
 def _sums_without_cond(t, w, keep, finite, spmd_axis_name=None):
     sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
-    wanted = sorted(t.example_grads)
-    extra = _per_example._sums([t.example_grads[k] for k in wanted], lambda i: w, keep, "propagate")
-    for k, g in zip(wanted, extra, strict=True):
-        sums[k] = sums[k] + g.astype(sums[k].dtype)
-    return sums
+    return _sums.with_materialised(t, w, keep, sums, "propagate")
 
 
 VARIANTS = {

@@ -708,6 +708,8 @@ def test_a_factors_magnitude_is_the_same_read_once_or_twice(values):
     flat = jnp.asarray(x)
     apart, at_once = _factors._largest_apart(flat), _factors._largest_at_once(flat)
     np.testing.assert_array_equal(apart, at_once)
+    np.testing.assert_array_equal(jax.jit(_factors._largest_at_once)(flat), at_once)
+    np.testing.assert_array_equal(jax.jit(_factors._largest_apart)(flat), at_once)
     wide = np.abs(x.astype(np.float64))
     wide[wide < np.finfo(np.float32).tiny] = 0  # (XLA flushes float32's subnormals)
     expected = np.where(np.isnan(wide).any(axis=2), np.nan, np.nanmax(wide, axis=2, initial=0))
@@ -718,3 +720,40 @@ def test_a_factors_magnitude_is_the_same_read_once_or_twice(values):
     assert np.all(expected[finite] < 2.0 ** exponent[finite])
     assert np.all(exponent[expected == 0] == _factors.ZERO_EXPONENT)
     assert np.all(exponent[~np.isfinite(expected)] == 0)
+
+
+def test_without_jaxs_source_api_the_step_is_the_same(monkeypatch):
+    """`_interpret._located` keeps the model's source lines through JAX's private
+    `source_info_util`; where that is missing or differs, no line is kept and nothing else
+    changes."""
+    from optclip.ghost import _interpret
+
+    loss, params, x = gm.mlp(np.random.default_rng(21))
+    step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+    kept = jax.jit(step)(params, x)
+    for broken in (None, object()):
+        monkeypatch.setattr(_interpret, "source_info_util", broken)
+        step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+        for a, b in zip(jax.tree.leaves(jax.jit(step)(params, x)), jax.tree.leaves(kept)):
+            np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_ghost_and_materialised_sums_drop_the_same_examples(mode):
+    """The ghost sites' clipped sums and the materialised leaves' (the MLP's biases) share one
+    `cond` (`_sums.clipped_sums`): with every dropped example finite (padding holding data),
+    both are plain weighted sums; with a dropped example of non-finite values (padding holding
+    inf, or a NaN example `nan_safe` drops), both zero it first. Against float64, eager and
+    jitted."""
+    loss, params, x = gm.mlp(np.random.default_rng(22))
+    report = str(optclip.ghost_report(loss, params, x))
+    assert "['b1']  materialised" in report and "['w1']  ghost" in report, report
+    padding = np.array([False, True, False, False, False, False])
+    check_against_reference(loss, params, x, 0.5, mode=mode, is_padding_example=padding)
+    g = run(optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True), mode)
+    for bad, dropped in ((x.at[1].set(jnp.inf), padding), (x.at[3, 0].set(jnp.nan), None)):
+        grads, aux = g(params, bad, is_padding_example=padding)
+        dropped = padding | (np.arange(x.shape[0]) == 3) if dropped is None else dropped
+        assert np.isfinite(np.asarray(aux.grad_norms)[~dropped]).all()
+        _, sums = gm.reference(loss, params, x, 0.5, dropped)
+        assert_tree_close(grads, sums)

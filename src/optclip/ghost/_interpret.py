@@ -17,10 +17,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax._src import source_info_util  # (no public way to bind under an equation's source line)
 from jax.extend import core as jcore
 
 from optclip.ghost import _trace
+
+try:  # (no public way to bind under an equation's source line; without it, none is kept)
+    from jax._src import source_info_util
+except ImportError:  # pragma: no cover
+    source_info_util = None  # type: ignore[assignment]
 
 
 @dataclasses.dataclass
@@ -72,12 +76,14 @@ class Tapped:
 def _located(eqn):
     """The context that gives what `eqn` binds its own source line and name, as
     `jax.core.eval_jaxpr` does: a profile or the compiled module's metadata of the private step
-    then names the model's lines, not this module's."""
-    info = getattr(eqn, "source_info", None)
-    if info is None:
+    then names the model's lines, not this module's (nothing kept where JAX's private API for
+    it is missing or differs: the step is the same)."""
+    info: Any = getattr(eqn, "source_info", None)
+    try:
+        stack = source_info_util.current_name_stack() + info.name_stack
+        return source_info_util.user_context(info.traceback, name_stack=stack)
+    except (AttributeError, TypeError):  # (a JAX whose private API differs: lines not kept)
         return contextlib.nullcontext()
-    stack = source_info_util.current_name_stack() + info.name_stack
-    return source_info_util.user_context(info.traceback, name_stack=stack)
 
 
 def bind(eqn, invals):

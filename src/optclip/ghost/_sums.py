@@ -160,24 +160,27 @@ def _one_by_one(t, w, keep):
     return lax.scan(step, zeros, jnp.arange(t.size))[0]
 
 
+def with_materialised(t, w, keep, out: list, nonfinite: str) -> list:
+    """`out` (every leaf's sum, in leaf order) with the materialised leaves' weighted sums of
+    their per-example gradients added (`_per_example._sums`: with ``nonfinite="zero"`` a dropped
+    example's values are zeroed first)."""
+    wanted = sorted(t.example_grads)
+    sums = _per_example._sums([t.example_grads[k] for k in wanted], lambda i: w, keep, nonfinite)
+    for k, g in zip(wanted, sums, strict=True):
+        out[k] = out[k] + g.astype(out[k].dtype)
+    return out
+
+
 def clipped_sums(t, w, keep, finite, spmd_axis_name=None):
     """Every leaf's ``sum_b w_b g_b`` (zeros for an unused leaf), in leaf order, from the
     tapped pass `t` (`_interpret.Tapped`): `w` are the factors, `keep` the examples kept,
     `finite` those of finite norm."""
-    wanted = sorted(t.example_grads)
-    examples = [t.example_grads[k] for k in wanted]
-
-    def with_materialised(out, nonfinite: str):
-        sums = _per_example._sums(examples, lambda i: w, keep, nonfinite)
-        for k, g in zip(wanted, sums, strict=True):
-            out[k] = out[k] + g.astype(out[k].dtype)
-        return out
 
     def plain():  # every dropped example finite: its factor 0 zeroes its terms
-        return with_materialised(_ghost_sums(t, w, None, spmd_axis_name), "propagate")
+        return with_materialised(t, w, keep, _ghost_sums(t, w, None, spmd_axis_name), "propagate")
 
     def zeroed():
-        return with_materialised(_one_by_one(t, w, keep), "zero")
+        return with_materialised(t, w, keep, _one_by_one(t, w, keep), "zero")
 
     # One `cond` for the ghost sites' sums and the materialised leaves' (they had one each: on
     # an H100 the two cost the MLP's step of 0.1 ms 0.4-0.6x, `private_parts.py --mlp`'s
