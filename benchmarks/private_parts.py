@@ -24,13 +24,19 @@ side by side in one process (interleaved medians, ratios to the non-private step
   the scaled way: what the `cond` costs beside the check's reductions;
 * ``sums without cond``: the clipped sums without their `cond`s (the ghost sites' and the
   materialised leaves', each a second way for a dropped example of non-finite gradient);
+* ``output gradients unpinned``: the output gradients at the tapped sites left to XLA's
+  layout assignment, as before issue 20's ninth part (they are now held row-major on a GPU,
+  `_interpret._pinned`: on a GPU, a scanned layer's gradients were otherwise laid out for
+  its bias's per-example sum, and its residuals transposed to match). On a CPU, the same step
+  as ``ghost``;
 * ``Grams at HIGHEST``: the step with its Grams at HIGHEST precision, as before issue 20's
   seventh part (they now follow their products' precision, `_factors.product_precision`:
   at JAX's default on a GPU, TF32). On a CPU, where float32 products are float32 at every
   precision, the same step as ``ghost``.
 
 The parts are swapped in by replacing functions of the ghost engine
-(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`) while each step
+(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
+`_interpret._pinned`) while each step
 is traced; each variant's norms are checked to be what it says (1 for ``norms at 1``). A
 diagnostic, not a contract.
 
@@ -82,7 +88,7 @@ import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip.ghost import _factors, _leaves, _sums  # noqa: E402
+from optclip.ghost import _factors, _interpret, _leaves, _sums  # noqa: E402
 
 CLIP = 1.0
 HIGHEST = lax.Precision.HIGHEST
@@ -118,6 +124,7 @@ VARIANTS = {
     "batched, unchecked": {"leaf_norm_terms": _unchecked},
     "check without cond": {"leaf_norm_terms": _checked_without_cond},
     "sums without cond": {"clipped_sums": _sums_without_cond},
+    "output gradients unpinned": {"_pinned": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
 }
 
@@ -125,7 +132,12 @@ VARIANTS = {
 @contextlib.contextmanager
 def swapped(names: dict):
     """The engine with the functions in `names` replaced, for tracing."""
-    modules = {"leaf_norm_terms": _leaves, "clipped_sums": _sums, "product_precision": _factors}
+    modules = {
+        "leaf_norm_terms": _leaves,
+        "clipped_sums": _sums,
+        "product_precision": _factors,
+        "_pinned": _interpret,
+    }
     saved = {name: getattr(modules[name], name) for name in names}
     try:
         for name, fn in names.items():

@@ -136,21 +136,22 @@ def test_private_training_benchmark_runs_and_plots(tmp_path):
 
 def test_the_private_training_guide_shows_the_saved_run():
     """The guide's cost tables are the saved runs' (`benchmarks/private_results.json`,
-    `private_results_h200.json` and `_h100.json`, the rows `private.py --json` wrote), as
-    `private.py --markdown` prints them, and its figure names every method and model."""
+    `private_results_h200.json`, `_h100.json` and `_h100_pinned.json`, the rows `private.py
+    --json` wrote), as `private.py --markdown` prints them, and its figure names every method
+    and model."""
     bench = load("private.py")
     guide = (ROOT / "docs" / "guides" / "private-training.md").read_text(encoding="utf-8")
-    runs = {  # (a CPU's, an H200's, an H100's: the transformer only)
-        "private_results.json": ("transformer", "mlp"),
-        "private_results_h200.json": ("transformer", "mlp"),
-        "private_results_h100.json": ("transformer",),
+    every = (16, 64, 256)
+    runs = {  # (a CPU's, an H200's, an H100's: the transformer only; the last at 256 only)
+        "private_results.json": (("transformer", "mlp"), every),
+        "private_results_h200.json": (("transformer", "mlp"), every),
+        "private_results_h100.json": (("transformer",), every),
+        "private_results_h100_pinned.json": (("transformer",), (256,)),
     }
-    for run, models in runs.items():
+    for run, (models, batches) in runs.items():
         rows = json.loads((ROOT / "benchmarks" / run).read_text())
         assert bench.markdown(rows) in guide, run
-        assert {(r["model"], r["batch"]) for r in rows} == {
-            (m, b) for m in models for b in (16, 64, 256)
-        }
+        assert {(r["model"], r["batch"]) for r in rows} == {(m, b) for m in models for b in batches}
     svg = (ROOT / "docs" / "_static" / "private_memory.svg").read_text()
     for label in {r["method"] for r in rows} | {"transformer", "mlp", "batch size"}:
         assert label in svg, label
@@ -181,6 +182,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "batched, unchecked",
         "check without cond",
         "sums without cond",
+        "output gradients unpinned",
         "Grams at HIGHEST",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
@@ -225,7 +227,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     rows = run_private(tmp_path, "--quick", "--flops", script="private_parts.py")
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
     variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "check without cond"]
-    variants += ["sums without cond", "Grams at HIGHEST"]
+    variants += ["sums without cond", "output gradients unpinned", "Grams at HIGHEST"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0")}
@@ -253,6 +255,21 @@ def test_the_highest_variant_computes_the_grams_at_highest():
             and [len(v.aval.shape) for v in eqn.invars] == [5, 5]
         }
     assert found == {"ghost": {lax.Precision.DEFAULT}, "Grams at HIGHEST": {lax.Precision.HIGHEST}}
+
+
+def test_the_unpinned_variant_leaves_the_output_gradients_layout_to_xla():
+    """private_parts.py's ``output gradients unpinned`` drops the row-major layout constraint
+    that the step, lowered for a GPU, puts on the output gradient at its tapped site."""
+    parts = load("private_parts.py")
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 5, 3))
+    found = {}
+    for name in ("ghost", "output gradients unpinned"):
+        with parts.swapped(parts.VARIANTS[name]):
+            step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+            text = step.trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+        found[name] = text.count("@LayoutConstraint(")
+    assert found == {"ghost": 1, "output gradients unpinned": 0}
 
 
 def test_matrix_products_are_counted_as_often_as_they_run():

@@ -3,6 +3,7 @@ reference built from materialised per-example gradients, for every layer kind, t
 tied parameters and scanned blocks; padding, zero and non-finite examples; low precision;
 what goes ghost; and the arguments' checks."""
 
+import functools
 import inspect
 import re
 
@@ -757,3 +758,55 @@ def test_ghost_and_materialised_sums_drop_the_same_examples(mode):
         assert np.isfinite(np.asarray(aux.grad_norms)[~dropped]).all()
         _, sums = gm.reference(loss, params, x, 0.5, dropped)
         assert_tree_close(grads, sums)
+
+
+PINNED = re.compile(
+    r"@LayoutConstraint\(.*result_layouts = \[dense<\[([0-9, ]+)\]> : tensor<\d+xindex>\]\} "
+    r": \(tensor<([0-9x]+)xf32>\)"
+)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
+    """`_interpret._pinned`: lowered for a GPU, the step holds each example's output gradient
+    at each tapped site row-major (the scanned layer's ``(B, 1, T, d)`` per layer, the head's
+    ``(B, 1, T)``), where XLA laid the scanned one out for the bias's per-example sum and
+    transposed the layer's residuals to match. Lowered for a CPU (row-major already), it
+    holds only the records with a unit axis (`_passes.row_major`), with or without it."""
+    from optclip.ghost import _interpret
+
+    loss, params, x = gm.scanned(np.random.default_rng(23), remat=remat)
+    report = str(optclip.ghost_report(loss, params, x))
+    assert "['b']     materialised" in report and "['w']     ghost" in report, report
+
+    def lowered(platform):
+        step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))  # (traced anew)
+        return step.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
+
+    records = [("3, 2, 1, 0", "4x1x2x4"), ("4, 3, 2, 1, 0", "3x4x1x2x4")]  # (head's, w's)
+    gpu = [("2, 1, 0", "4x1x2"), ("3, 2, 1, 0", "4x1x2x4")]  # (head's, w's)
+    assert sorted(PINNED.findall(lowered("cuda"))) == gpu
+    assert sorted(PINNED.findall(lowered("cpu"))) == records
+    monkeypatch.setattr(_interpret, "_pinned", lambda g: g)
+    assert PINNED.findall(lowered("cuda")) == []
+    assert sorted(PINNED.findall(lowered("cpu"))) == records
+
+
+@pytest.mark.parametrize("name", ["scanned", "transformer"])
+def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypatch):
+    """The layout constraint of `_interpret._pinned`, applied on a CPU too: the same
+    gradients and norms, bit for bit, jitted and eager (on a rematerialised scan, and on the
+    transformer's scanned blocks with their biases and scales)."""
+    from optclip.ghost import _interpret
+
+    make = functools.partial(gm.scanned, remat=True) if name == "scanned" else gm.transformer
+    loss, params, x = make(np.random.default_rng(24))
+    for mode in ("jit", "eager"):
+        step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+        plain = run(step, mode)(params, x)
+        with monkeypatch.context() as m:
+            m.setattr(_interpret, "_pinned", _interpret.row_major)
+            step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+            pinned = run(step, mode)(params, x)
+        for a, b in zip(jax.tree.leaves(pinned), jax.tree.leaves(plain), strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import layout
 
 from optclip import _per_example, _scale
 from optclip.ghost import _factors, _interpret, _leaves, _sums, _trace
@@ -203,10 +202,7 @@ def row_major(records: dict) -> dict:
         return records
 
     def pinned():
-        return {
-            k: layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
-            for k, x in loose.items()
-        }
+        return {k: _interpret.row_major(x) for k, x in loose.items()}
 
     return {**records, **lax.platform_dependent(cpu=pinned, default=lambda: loose)}
 
