@@ -36,9 +36,8 @@ side by side in one process (interleaved medians, ratios to the non-private step
 
 The parts are swapped in by replacing functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
-`_interpret._pinned`) while each step
-is traced; each variant's norms are checked to be what it says (1 for ``norms at 1``). A
-diagnostic, not a contract.
+`_interpret._pinned`) while each step is traced; each variant's norms are checked to be what
+it says (1 for ``norms at 1``). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
