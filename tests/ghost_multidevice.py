@@ -2,7 +2,8 @@
 batch sharded over a data-parallel mesh (jit of sharded inputs; `spmd_axis_name` under the
 mesh) equals the same call on one device, on the common path and on the paths taken for
 gradients whose squares overflow and for a dropped non-finite example, with the norms' Grams
-batched and one example at a time. Prints ``ok`` and the checks made.
+batched and one example at a time, and with the output gradients held row-major as on a GPU
+(`_interpret._pinned`, applied here too). Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
 """
@@ -19,9 +20,9 @@ def main():
     import numpy as np
     from jax.sharding import AxisType
 
-    from optclip.ghost import _leaves
+    from optclip.ghost import _interpret, _leaves
 
-    loop_work = _leaves.LOOP_WORK
+    loop_work, pinned = _leaves.LOOP_WORK, _interpret._pinned
     cases = (
         # (model, mesh axis type): automatic sharding (GSPMD) for models with lookups (a
         # `gather` of a replicated table by split indices needs an explicit output sharding,
@@ -39,7 +40,7 @@ def main():
         # for the MLP, a non-finite example dropped and a padding example (the sums' zeroed
         # path).
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
-        variants = [("", loss, x, None), ("huge", huge, x, None)]
+        variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
         if axis_type == AxisType.Auto:  # the norms one example at a time (as on a CPU when
             variants.append(("looped", loss, x, None))  # one example's Grams are large)
         if name == "mlp":
@@ -49,8 +50,9 @@ def main():
         for variant, f, data, pad in variants:
             label = "/".join(filter(None, (name, axis_type.name, variant)))
             _leaves.LOOP_WORK = 0 if variant == "looped" else loop_work
+            _interpret._pinned = _interpret.in_row_major if variant == "pinned" else pinned
             checks += compare(f, params, data, pad, mesh, label)
-        _leaves.LOOP_WORK = loop_work
+        _leaves.LOOP_WORK, _interpret._pinned = loop_work, pinned
     print("ok", " ".join(checks))
 
 

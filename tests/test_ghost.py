@@ -614,6 +614,8 @@ def test_a_batch_sharded_over_eight_devices():
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok"), done.stdout
     assert "mlp/Explicit/spmd_axis_name" in done.stdout
+    for pinned in ("mlp/Explicit/pinned/spmd_axis_name", "transformer/Auto/pinned/spmd_axis_name"):
+        assert pinned in done.stdout, done.stdout
 
 
 def test_static_python_arguments_stay_python():
@@ -796,7 +798,8 @@ def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
 def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypatch):
     """The layout constraint of `_interpret._pinned`, applied on a CPU too: the same
     gradients and norms, bit for bit, jitted and eager (on a rematerialised scan, and on the
-    transformer's scanned blocks with their biases and scales)."""
+    transformer's scanned blocks with their biases and scales), and so the float64
+    reference's. (On 8 devices: `ghost_multidevice.py`'s ``pinned``.)"""
     from optclip.ghost import _interpret
 
     make = functools.partial(gm.scanned, remat=True) if name == "scanned" else gm.transformer
@@ -805,8 +808,9 @@ def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypat
         step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
         plain = run(step, mode)(params, x)
         with monkeypatch.context() as m:
-            m.setattr(_interpret, "_pinned", _interpret.row_major)
+            m.setattr(_interpret, "_pinned", _interpret.in_row_major)
             step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
             pinned = run(step, mode)(params, x)
+            check_against_reference(loss, params, x, 0.5, mode=mode)
         for a, b in zip(jax.tree.leaves(pinned), jax.tree.leaves(plain), strict=True):
             np.testing.assert_array_equal(a, b)

@@ -119,17 +119,17 @@ def _tap_backward(_, g):
 
 
 def _pinned(g):
-    """The output gradient at a tapped site, held row-major on a GPU (`row_major`). XLA's GPU
+    """The output gradient at a tapped site, held row-major on a GPU (`in_row_major`). XLA's GPU
     layout assignment otherwise gives it, in a scanned layer with a materialised bias, the
     layout of that bias's per-example sum (the summed rows minor): it then transposes the
     residuals its producer reads, in every layer, and transposes the stacked gradients back
     for the Grams and the clipped sums. In the transformer's ghost step at 256 on an H100,
     0.15x of the non-private step (`benchmarks/private_parts.py`'s ``output gradients
     unpinned``). A CPU lays it out row-major already."""
-    return lax.platform_dependent(g, cuda=row_major, rocm=row_major, default=lambda x: x)
+    return lax.platform_dependent(g, cuda=in_row_major, rocm=in_row_major, default=lambda x: x)
 
 
-def row_major(x):
+def in_row_major(x):
     """`x` held in the row-major layout (a layout constraint: the same values)."""
     return layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
 

@@ -202,7 +202,7 @@ def row_major(records: dict) -> dict:
         return records
 
     def pinned():
-        return {k: _interpret.row_major(x) for k, x in loose.items()}
+        return {k: _interpret.in_row_major(x) for k, x in loose.items()}
 
     return {**records, **lax.platform_dependent(cpu=pinned, default=lambda: loose)}
 
