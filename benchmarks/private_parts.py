@@ -1,6 +1,7 @@
 """Where the ghost step's time goes: the step with one of its parts taken out.
 
     python benchmarks/private_parts.py [--quick] [--batches 128 256] [--pairs 3] [--json out]
+        [--variants ghost 'reductions checked' ...]
     python benchmarks/private_parts.py --grams [--batches 256]
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
@@ -32,12 +33,19 @@ side by side in one process (interleaved medians, ratios to the non-private step
 * ``Grams at HIGHEST``: the step with its Grams at HIGHEST precision, as before issue 20's
   seventh part (they now follow their products' precision, `_factors.product_precision`:
   at JAX's default on a GPU, TF32). On a CPU, where float32 products are float32 at every
-  precision, the same step as ``ghost``.
+  precision, the same step as ``ghost``;
+* ``reductions checked``: where every norm is a reduction (the MLP: its materialised biases,
+  its dense layers applied to one row per example), the norms checked like Grams under the
+  norms' `cond`, and the dropped examples' zeroing of the sums under its `cond` on every
+  platform, as before issue 20's tenth part (`_leaves.reductions_only`: such norms are now
+  divided by their magnitudes in any case, unchecked, and off a CPU the sums zeroed in any
+  case: no `cond`). On the transformer, whose Grams keep both `cond`s, the same step as
+  ``ghost``.
 
 The parts are swapped in by replacing functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
-`_interpret._pinned`) while each step is traced; each variant's norms are checked to be what
-it says (1 for ``norms at 1``). A diagnostic, not a contract.
+`_interpret._pinned`, `_leaves.reductions_only`) while each step is traced; each variant's
+norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -113,7 +121,7 @@ def _checked_without_cond(t):
 
 def _sums_without_cond(t, w, keep, finite, spmd_axis_name=None):
     sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
-    return _sums.with_materialised(t, w, keep, sums, "propagate")
+    return _sums.with_materialised(t, w, keep, sums, False)
 
 
 VARIANTS = {
@@ -125,6 +133,7 @@ VARIANTS = {
     "sums without cond": {"clipped_sums": _sums_without_cond},
     "output gradients unpinned": {"_pinned": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
+    "reductions checked": {"reductions_only": lambda t: False},
 }
 
 
@@ -136,6 +145,7 @@ def swapped(names: dict):
         "clipped_sums": _sums,
         "product_precision": _factors,
         "_pinned": _interpret,
+        "reductions_only": _leaves,
     }
     saved = {name: getattr(modules[name], name) for name in names}
     try:
@@ -177,12 +187,13 @@ def dot_flops(jaxpr, times: int = 1) -> int:
     return total
 
 
-def flops(loss, params, batch) -> list[dict]:
-    """`dot_flops` of the non-private step and of each variant's."""
+def flops(loss, params, batch, variants=tuple(VARIANTS)) -> list[dict]:
+    """`dot_flops` of the non-private step and of each of `variants`."""
     size = jax.tree.leaves(batch)[0].shape[0]
     base = dot_flops(jax.make_jaxpr(_non_private(loss, size))(params, batch).jaxpr)
     rows = [dict(variant="jax.grad (non-private)", batch=size, flops=base)]
-    for name, names in VARIANTS.items():
+    for name in variants:
+        names = VARIANTS[name]
         step = optclip.clipped_grad(loss, l2_clip_norm=CLIP)
         with swapped(names):
             count = dot_flops(jax.make_jaxpr(step)(params, batch).jaxpr)
@@ -197,10 +208,11 @@ def _non_private(loss, size: int):
     return non_private
 
 
-def parts(loss, params, batch, pairs: int) -> list[dict]:
+def parts(loss, params, batch, pairs: int, variants=tuple(VARIANTS)) -> list[dict]:
     size = jax.tree.leaves(batch)[0].shape[0]
     steps = [jax.jit(_non_private(loss, size)).lower(params, batch).compile()]
-    for name, names in VARIANTS.items():
+    for name in variants:
+        names = VARIANTS[name]
         step = optclip.clipped_grad(loss, l2_clip_norm=CLIP, return_grad_norms=True)
         with swapped(names):
             steps.append(jax.jit(step).lower(params, batch).compile())
@@ -212,7 +224,7 @@ def parts(loss, params, batch, pairs: int) -> list[dict]:
     runners = [functools.partial(step, params, batch) for step in steps]
     paired = _timing.interleaved(runners, pairs=pairs, warmup=1, min_sample_s=0.05)
     rows = [dict(variant="jax.grad (non-private)", batch=size, time_s=paired.medians[0])]
-    for k, name in enumerate(VARIANTS, 1):
+    for k, name in enumerate(variants, 1):
         rows.append(
             dict(
                 variant=name,
@@ -336,6 +348,14 @@ def main(argv=None) -> list[dict]:
         "--kernels", action="store_true", help="device time by source line, profiled"
     )
     parser.add_argument("--top", type=_timing.count, default=30, help="lines --kernels prints")
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        choices=list(VARIANTS),
+        default=list(VARIANTS),
+        metavar="NAME",
+        help="the variants timed or counted, by name (default: all)",
+    )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     if args.kernels and (args.flops or args.grams or args.products):
@@ -371,11 +391,11 @@ def main(argv=None) -> list[dict]:
             mlp = models.MLPShape(inputs=16, hidden=32) if args.quick else models.MLPShape()
             new = products(b, mlp, pairs)
         elif args.flops:
-            new = flops(loss, params, make_batch(b))
+            new = flops(loss, params, make_batch(b), args.variants)
         elif args.kernels:
             new = kernels(loss, params, make_batch(b), args.top)
         else:
-            new = parts(loss, params, make_batch(b), pairs)
+            new = parts(loss, params, make_batch(b), pairs, args.variants)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")

@@ -171,8 +171,9 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
     out, and with its norms batched and unchecked (the script checks each variant's norms),
     next to the non-private step; --grams: the output layer's Gram three ways, the same
-    values; --mlp: the same parts on the MLP (not with --grams); --products: the MLP's first
-    clipped-sum product three ways (the script checks they agree)."""
+    values; --mlp: the same parts on the MLP (not with --grams), two of them by --variants;
+    --products: the MLP's first clipped-sum product three ways (the script checks they
+    agree)."""
     rows = run_private(tmp_path, "--quick", script="private_parts.py")
     assert [r["variant"] for r in rows] == [
         "jax.grad (non-private)",
@@ -184,15 +185,24 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "sums without cond",
         "output gradients unpinned",
         "Grams at HIGHEST",
+        "reductions checked",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
     ways = ["one batched product", "two halves", "one example at a time"]
     assert [r["way"] for r in rows] == ways
     rows = run_private(
-        tmp_path, "--mlp", "--batches", "8", "--pairs", "1", script="private_parts.py"
+        tmp_path,
+        *("--mlp", "--batches", "8", "--pairs", "1"),
+        *("--variants", "ghost", "reductions checked"),
+        script="private_parts.py",
     )
-    assert [(r["variant"], r["batch"]) for r in rows][1] == ("ghost", 8)
+    assert [(r["variant"], r["batch"]) for r in rows] == [
+        ("jax.grad (non-private)", 8),
+        ("ghost", 8),
+        ("reductions checked", 8),
+    ]
+    refused("--variants", "norms", why="argument --variants: invalid choice: 'norms'")
     refused("--mlp", "--grams", why="--grams times the transformer's output layer")
     rows = run_private(
         tmp_path, "--quick", "--products", "--batches", "8", script="private_parts.py"
@@ -228,6 +238,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
     variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "check without cond"]
     variants += ["sums without cond", "output gradients unpinned", "Grams at HIGHEST"]
+    variants += ["reductions checked"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0")}

@@ -80,6 +80,114 @@ def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
     check_against_reference(linear, params, x * magnitude, 1.0)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_norms_exact_for_factors_near_float32s_largest(rows):
+    # Layer inputs past 2**126 (dividing them by their power of two at once would divide by a
+    # subnormal number, which the CPU flushes to zero: norms of 0, the examples unclipped),
+    # output gradients small enough for the gradients and norms to be finite: one row per
+    # example (`_leaves.reductions_only`, always divided) and three (the Grams, divided only where
+    # `_factors.safe` says so); the bias's per-example gradients are materialised.
+    rng = np.random.default_rng(31)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, 3)) * 1e-37, jnp.float32),
+        "b": jnp.asarray(rng.normal(size=3), jnp.float32),
+    }
+    x = rng.normal(size=(5, rows, 4))
+    x = jnp.asarray(x / np.max(np.abs(x)) * 2e38, jnp.float32)
+    assert np.max(np.abs(x)) > 2.0**126
+
+    def loss(p, x):
+        return 1e-4 * jnp.sum(jnp.sin(x @ p["w"] + p["b"]))
+
+    for mode in ("jit", "eager"):
+        _, aux = check_against_reference(loss, params, x, 1e36, mode=mode)
+        assert np.all(np.asarray(aux.grad_norms) > 1e34)
+        # Clipped to 1, the norms are the same; the sums are not: each example's factor
+        # (1e-34) times its output gradients (1e-4) flushes (BUILD_NOTES, "Known limits").
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+        _, clipped = run(g, mode)(params, x)
+        np.testing.assert_array_equal(clipped.grad_norms, aux.grad_norms)
+
+
+def test_a_factor_is_divided_exactly_at_every_exponent():
+    # `_factors.Factor.scaled`: the largest magnitude in [0.5, 1), every entry divided by
+    # the same power of two, from float32's smallest normal numbers to its largest.
+    from optclip.ghost import _factors
+
+    rng = np.random.default_rng(32)
+    for exponent in (-125, -60, -1, 0, 1, 60, 125, 126, 127, 128):
+        x = np.float32(rng.uniform(0.5, 1.0, size=(1, 2, 1, 3, 4)) * 2.0**exponent)
+        x[0, 1] = -x[0, 1]
+        f = _factors.factor(jnp.asarray(x), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(f.exponent), [[exponent, exponent]])
+        got = np.asarray(jax.jit(lambda v: _factors.factor(v, jnp.float32).scaled().values)(x))
+        np.testing.assert_array_equal(got, np.float64(x) * 2.0**-exponent)
+        assert 0.5 <= np.max(np.abs(got)) < 1
+
+
+def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
+    """`_leaves.reductions_only`: where every parameter's norm is a reduction (the MLP: each dense
+    layer applied to one row per example, its biases materialised), the step lowered for a
+    GPU has no `cond` (a GPU reads a `cond`'s predicate on the host: the MLP's step took 2.2x
+    the non-private one on an H100 with two of them), and for a CPU one, the sums' (cheaper
+    there than zeroing); with sequence rows (the transformer's Grams), one checks the Grams,
+    one the dropped examples of the sums. The same values every way (the GPU's way run here
+    with `lax.platform_dependent` taking its default), against float64, at magnitudes whose
+    squares overflow, with a dropped non-finite example."""
+    from optclip.ghost import _leaves
+
+    def conditionals(loss, params, x, platform):
+        # the `cond`s of the step's jaxpr that run on `platform` (of those of
+        # `lax.platform_dependent`, fixed when the step is lowered, only its branch's)
+        def walk(jaxpr):
+            for eqn in jaxpr.eqns:
+                inner = list(jax.extend.core.jaxprs_in_params(eqn.params))
+                chosen = eqn.params.get("branches_platforms")
+                if eqn.primitive.name == "cond" and chosen is not None:
+                    match = [i for i, p in enumerate(chosen) if p and platform in p]
+                    inner = [inner[(match or [chosen.index(None)])[0]]]
+                else:
+                    yield eqn.primitive.name == "cond"
+                for sub in inner:
+                    yield from walk(sub)
+
+        step = optclip.clipped_grad(loss, l2_clip_norm=1.0, nan_safe=True)
+        return sum(walk(jax.make_jaxpr(step)(params, x).jaxpr))
+
+    mlp = gm.mlp(np.random.default_rng(33))
+    transformer = gm.transformer(np.random.default_rng(33))
+    assert conditionals(*mlp, "cuda") == conditionals(*mlp, "rocm") == 0
+    assert conditionals(*mlp, "cpu") == 1  # (the sums': cheaper there than zeroing)
+    assert conditionals(*transformer, "cuda") == conditionals(*transformer, "cpu") == 2
+    compiled = jax.jit(optclip.clipped_grad(mlp[0], l2_clip_norm=1.0)).lower(*mlp[1:]).compile()
+    assert compiled.as_text().count("conditional(") == 1
+    loss, params, x = mlp
+    x = x.at[2, 1].set(np.nan)
+    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
+    results = []
+    # the CPU's way, the GPU's, and the norms checked as the transformer's (forced on the MLP)
+    for way in ("cpu", "default", "checked"):
+        with monkeypatch.context() as m:
+            if way == "default":
+                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+            if way == "checked":
+                m.setattr(_leaves, "reductions_only", lambda t: False)
+                assert conditionals(*mlp, "cuda") == 2
+            for f in (loss, huge):
+                step = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+                grads, aux = jax.jit(step)(params, x)
+                norms = np.asarray(aux.grad_norms)
+                assert np.isnan(norms[2]) and np.isfinite(np.delete(norms, 2)).all()
+                kept = np.delete(np.arange(x.shape[0]), 2)
+                want, sums = gm.reference(f, params, x[kept], 1.0)
+                np.testing.assert_allclose(np.delete(norms, 2), want, rtol=RTOL)
+                assert_tree_close(grads, sums)
+                results.append(jax.tree.leaves((grads, norms)))
+    for k in range(2, len(results)):  # each way against the CPU's, loss for loss
+        for a, b in zip(results[k], results[k % 2], strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
 @pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent"])
 def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkeypatch):
     # Norms are computed on the factors as they are where no product can overflow or flush,
@@ -113,7 +221,10 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
     text = str(jax.make_jaxpr(g)(params, x))  # one more choice: the loop (`lax.map`) on a CPU
-    assert text.count("platform_index") > choices and text.count("scan[") == loops + 1
+    if name == "mlp":  # (no Gram with rows: `_leaves.reductions_only`, never a loop)
+        assert text.count("platform_index") == choices and text.count("scan[") == loops
+    else:
+        assert text.count("platform_index") > choices and text.count("scan[") == loops + 1
     looped = check_against_reference(loss, params, x, 1.0)
     np.testing.assert_allclose(looped[1].grad_norms, batched[1].grad_norms, rtol=1e-6)
     assert_tree_close(looped[0], jax.tree.map(np.asarray, batched[0]), rtol=1e-6)

@@ -156,18 +156,23 @@ def _sums(leaves, scales_of, finite, nonfinite: str):
         return plain()
 
     def dropped():
-        out = []
-        for i, x in enumerate(leaves):
-            keep = finite.reshape(finite.shape + (1,) * (x.ndim - 1))
-            x = jnp.where(keep, x, jnp.zeros((), x.dtype))
-            out.append(_weighted_sum(jnp.where(finite, scales_of(i), 0), x))
-        return out
+        return _zeroed_sums(leaves, scales_of, finite)
 
     all_finite = jnp.all(finite)
     if not _checks.is_traced(all_finite):
         # Eager: decide in Python rather than trace and compile a `cond` on every call.
         return plain() if bool(all_finite) else dropped()
     return lax.cond(all_finite, plain, dropped)
+
+
+def _zeroed_sums(leaves, scales_of, finite):
+    """`_sums` with the examples that are not `finite` zeroed (their scales and values)."""
+    out = []
+    for i, x in enumerate(leaves):
+        keep = finite.reshape(finite.shape + (1,) * (x.ndim - 1))
+        x = jnp.where(keep, x, jnp.zeros((), x.dtype))
+        out.append(_weighted_sum(jnp.where(finite, scales_of(i), 0), x))
+    return out
 
 
 def _count(over):

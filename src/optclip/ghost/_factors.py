@@ -85,13 +85,17 @@ class Factor:
         return self.values.shape if self.values is not None else (*self.ids.shape, 1)
 
     def scaled(self) -> Factor:
-        """The factor divided by ``2**exponent`` (its largest magnitude in [0.5, 1))."""
+        """The factor divided by ``2**exponent`` (its largest magnitude in [0.5, 1)), as two
+        halves: ``2**-exponent`` itself is subnormal for a factor past ``2**126``, and XLA on
+        a CPU flushes it to zero."""
         if self.values is None:
             return self
         e = jnp.where(self.exponent == ZERO_EXPONENT, 0, self.exponent)  # (a zero stays 0)
         e = e.reshape(e.shape + (1,) * (self.values.ndim - 2))
-        scale = jnp.ldexp(jnp.ones((), self.values.dtype), -e)
-        return dataclasses.replace(self, values=self.values * scale)
+        one = jnp.ones((), self.values.dtype)
+        half = e // 2
+        values = (self.values * jnp.ldexp(one, -half)) * jnp.ldexp(one, half - e)
+        return dataclasses.replace(self, values=values)
 
 
 # The exponent of a zero factor or norm: below every other (a zero must not set the scale that

@@ -8,7 +8,7 @@ included), from the records and output gradients of its sites. Any other leaf is
 *materialised*: the tapped pass gives each example its own copy of that leaf (the leaf plus a
 per-example zero, `Deltas`), so that the backward pass yields each example's gradient of the
 leaf, every use summed, and nothing of its sites is recorded; its squared norm is summed in
-float32 after a power-of-two rescaling per example (`_factors.sum_of_squares`: exact at every
+float32 after a power-of-two rescaling per example (`_factors.square_terms`: exact at every
 magnitude, where `_per_example.example_norms` trusts a sum whose squares all flushed).
 """
 
@@ -156,34 +156,75 @@ def pull_back(site, leaves, cotangents):
     return out
 
 
+def reductions_only(t) -> bool:
+    """Whether every used leaf's squared norm is a reduction: a materialised leaf's (a sum of
+    squares of its per-example gradient) or a ghost leaf's whose uses have one row per example
+    (``K = 1``, as a dense layer applied to one vector per example: an MLP's; its Grams are
+    products of two vectors' inner products). Then every norm is computed on factors divided
+    by their magnitudes, which XLA fuses into the reductions (no copy of a factor), exact at
+    every magnitude with no check and no `cond`. Where some leaf's Grams are products (a
+    sequence's rows), the division would be a copy of every factor: every leaf is then
+    checked (`_factors.safe`), under one `lax.cond` (`leaf_norm_terms`), as before."""
+    rows = _use_rows(t)
+    return all(plan.mode != "ghost" or max(rows[i]) == 1 for i, plan in enumerate(t.plans))
+
+
+def _use_shapes(t) -> dict:
+    """``{leaf: [(x shape, y shape)]}``: the factors' shapes ``(L, B, H, K, S)`` of every use
+    of every ghost leaf (`jax.eval_shape`: nothing computed)."""
+    shapes: dict = {}
+
+    def count():
+        for i, plan in enumerate(t.plans):
+            if plan.mode == "ghost":
+                uses = ghost_uses(plan, t.records, t.grads, jnp.float32)
+                shapes[i] = [(x.shape, y.shape) for x, y in uses]
+        return 0
+
+    jax.eval_shape(count)
+    return shapes
+
+
+def _use_rows(t) -> dict:
+    """``{leaf: [K of each use]}`` of the ghost leaves (a one-hot factor's rows too)."""
+    return {i: [max(x[3], y[3]) for x, y in s] for i, s in _use_shapes(t).items()}
+
+
 def _terms(t, scaled: bool):
     """Every leaf's ``(exponent, value)`` of its squared per-example norms (in leaf order)
     from the tapped pass `t`, and whether computing them without dividing the factors by
-    their magnitudes is exact (`_factors.safe` for every use of every example)."""
+    their magnitudes is exact (`_factors.safe` for every use of every example). Where every
+    norm is a reduction (`reductions_only`), divided by their magnitudes in any case, and not
+    checked."""
     acc = _norm_rules.widest_accum_dtype([x.dtype for x in t.leaves] or [jnp.float32])
+    exact = reductions_only(t)
+    scaled = scaled or exact
     checks, terms = [], []
     for i, plan in enumerate(t.plans):
         if plan.mode == "ghost":
             uses = ghost_uses(plan, t.records, t.grads, acc)
-            checks += [jnp.all(_factors.safe(x, y)) for x, y in uses]
+            checks += [] if exact else [jnp.all(_factors.safe(x, y)) for x, y in uses]
             terms.append(ghost_terms(plan, uses, acc, scaled))
         elif plan.mode == "materialised":
             f = _factors.squares(t.example_grads[i], acc)
-            checks.append(jnp.all(_factors.safe_squares(f)))
+            checks += [] if exact else [jnp.all(_factors.safe_squares(f))]
             terms.append(_factors.square_terms(f, scaled))
         else:
             zero = jnp.zeros_like(t.losses, acc)  # (split over a mesh like the batch)
             terms.append((zero.astype(jnp.int32), zero))
-    return terms, (jnp.all(jnp.stack(checks)) if checks else jnp.bool_(True))
+    return terms, (jnp.all(jnp.stack(checks)) if checks else True)
 
 
 def leaf_norm_terms(t):
     """``(exponent, value)`` of every leaf's squared per-example norms, in leaf order, from the
     tapped pass `t` (`_interpret.Tapped`).
 
-    Computed on the factors as they are where every use of every example is safe (the common
-    case: no pass that divides the records and output gradients by their magnitudes; on a CPU
-    one example at a time where the Grams are large, `_unscaled`), else
+    Where every norm is a reduction (`reductions_only`: an MLP), computed on factors divided
+    by their magnitudes, exact at every magnitude with no check and no `cond` (on a GPU, XLA
+    reads a `cond`'s predicate on the host: a wait, in a step of a tenth of a millisecond).
+    Otherwise computed on the factors as they are where every use of every example is safe
+    (the common case: no pass that divides the records and output gradients by their
+    magnitudes; on a CPU one example at a time where the Grams are large, `_unscaled`), else
     (one `lax.cond` for the batch; decided in Python when eager) one example after another,
     each factor divided by its magnitude: exact at every magnitude, the same values where both
     are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
@@ -199,19 +240,12 @@ LOOP_WORK = 2**23
 
 def _gram_work(t) -> int:
     """The multiply-adds of one example's Grams (every ghost use's own, ``L H K^2 (Sx +
-    Sy)``), from the shapes of its factors (`jax.eval_shape`: nothing computed)."""
-    work: list = []
-
-    def count():
-        for plan in t.plans:
-            if plan.mode == "ghost":
-                for x, y in ghost_uses(plan, t.records, t.grads, jnp.float32):
-                    levels, _, heads, rows, sx = x.shape
-                    work.append(levels * heads * rows * rows * (sx + y.shape[4]))
-        return 0
-
-    jax.eval_shape(count)
-    return sum(work)
+    Sy)``), from the shapes of its factors."""
+    return sum(
+        x[0] * x[2] * x[3] * x[3] * (x[4] + y[4])
+        for uses in _use_shapes(t).values()
+        for x, y in uses
+    )
 
 
 def _unscaled(t):
@@ -219,8 +253,9 @@ def _unscaled(t):
     after another (`lax.map`; where `Tapped.one_by_one`), elsewhere the whole batch at once.
     XLA on the CPU runs a batch of per-example Grams as one product 1.6x slower than as a loop
     of one example's products, each checked and reduced while its factors are in the cache
-    (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop."""
-    if not t.one_by_one or _gram_work(t) < LOOP_WORK:
+    (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop. Never where every
+    norm is a reduction (`reductions_only`: no Gram has rows to keep in the cache)."""
+    if not t.one_by_one or _gram_work(t) < LOOP_WORK or reductions_only(t):
         return _terms(t, scaled=False)
     return lax.platform_dependent(
         cpu=lambda: _by_example(t, scaled=False), default=lambda: _terms(t, scaled=False)
