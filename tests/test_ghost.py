@@ -413,6 +413,21 @@ def test_low_precision_models_accumulate_norms_in_float32(dtype):
         np.testing.assert_allclose(a, b, atol=3e-2 * np.max(np.abs(b)))
 
 
+def test_low_precision_sums_with_a_dropped_example_add_up_in_float32():
+    # With a dropped example whose gradient is not finite, the clipped sums are taken one
+    # example after another (`_sums._one_by_one`): their terms are added in float32 and
+    # rounded once to bfloat16, as the batch's sums are (the materialising reference's).
+    loss, params, x = gm.mlp(np.random.default_rng(35), dtype=jnp.bfloat16, batch=256)
+    bad = x.at[3, 0].set(np.inf)
+    sums = {}
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(loss, l2_clip_norm=1e3, method=method)
+        sums[method] = jax.jit(g)(params, bad)
+    for a, b in zip(jax.tree.leaves(sums["auto"]), jax.tree.leaves(sums["vmap"]), strict=True):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2 * np.max(np.abs(b)))
+
+
 def shapes_in(jaxpr):
     """Every shape of every value a jaxpr (and the jaxprs inside it) computes."""
     return {

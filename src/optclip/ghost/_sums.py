@@ -152,7 +152,8 @@ def _one_by_one(t, w, keep):
     first (slices of one example: no copy of the batch's, which XLA would hold beside
     everything the sums read: the MLP at 256 took 1.20x the non-private step's memory with the
     materialised leaves' zeroed over the batch, 1.14x so); where the batch is split over a
-    mesh (`Tapped.one_by_one`), the whole batch at once, zeroed."""
+    mesh (`Tapped.one_by_one`), the whole batch at once, zeroed. The examples' terms are added
+    in float32 for a float16 or bfloat16 leaf, rounded once at the end."""
     if not t.one_by_one:
         return with_materialised(t, w, keep, _ghost_sums(t, w, keep), True)
 
@@ -160,10 +161,11 @@ def _one_by_one(t, w, keep):
         cut = lambda v: lax.dynamic_slice_in_dim(v, b, 1)  # noqa: E731
         one, w_b, keep_b = t.example(b), cut(w), cut(keep)
         parts = with_materialised(one, w_b, keep_b, _ghost_sums(one, w_b, keep_b), True)
-        return [a + p for a, p in zip(total, parts, strict=True)], None
+        return [a + p.astype(a.dtype) for a, p in zip(total, parts, strict=True)], None
 
-    zeros = [jnp.zeros_like(leaf) for leaf in t.leaves]
-    return lax.scan(step, zeros, jnp.arange(t.size))[0]
+    zeros = [jnp.zeros_like(leaf, _per_example._work_dtype(leaf.dtype)) for leaf in t.leaves]
+    total = lax.scan(step, zeros, jnp.arange(t.size))[0]
+    return [a.astype(leaf.dtype) for a, leaf in zip(total, t.leaves, strict=True)]
 
 
 def with_materialised(t, w, keep, out: list, zeroed: bool) -> list:
