@@ -124,11 +124,12 @@ def test_dropped_examples_are_zeroed_one_at_a_time():
     }
     assert batch not in shapes, shapes
     bad = x.at[1, 0].set(np.inf)
-    grads, aux = jax.jit(step)(params, bad)
-    assert not np.isfinite(aux.grad_norms[1])
     kept = np.delete(np.arange(x.shape[0]), 1)
     _, sums = gm.reference(loss, params, x[kept], 1.0)
-    assert_tree_close(grads, sums)
+    for mode in ("jit", "eager"):
+        grads, aux = run(step, mode)(params, bad)
+        assert not np.isfinite(aux.grad_norms[1])
+        assert_tree_close(grads, sums)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -417,15 +418,21 @@ def test_low_precision_sums_with_a_dropped_example_add_up_in_float32():
     # With a dropped example whose gradient is not finite, the clipped sums are taken one
     # example after another (`_sums._one_by_one`): their terms are added in float32 and
     # rounded once to bfloat16, as the batch's sums are (the materialising reference's).
+    # Against the float64 reference too (the examples kept, their sum rounded to bfloat16).
     loss, params, x = gm.mlp(np.random.default_rng(35), dtype=jnp.bfloat16, batch=256)
     bad = x.at[3, 0].set(np.inf)
-    sums = {}
-    for method in ("auto", "vmap"):
-        g = optclip.clipped_grad(loss, l2_clip_norm=1e3, method=method)
-        sums[method] = jax.jit(g)(params, bad)
-    for a, b in zip(jax.tree.leaves(sums["auto"]), jax.tree.leaves(sums["vmap"]), strict=True):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        np.testing.assert_allclose(a, b, rtol=2e-2, atol=1e-2 * np.max(np.abs(b)))
+    kept = np.delete(np.arange(x.shape[0]), 3)
+    _, reference = gm.reference(loss, params, x[kept], 1e3)
+    for mode in ("jit", "eager"):
+        sums = {}
+        for method in ("auto", "vmap"):
+            g = optclip.clipped_grad(loss, l2_clip_norm=1e3, method=method)
+            sums[method] = run(g, mode)(params, bad)
+        leaves = zip(*(jax.tree.leaves(t) for t in (sums["auto"], sums["vmap"], reference)))
+        for a, b, want in leaves:
+            a, b, want = (np.asarray(v, np.float32) for v in (a, b, want))
+            for got in (a, b):
+                np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.max(np.abs(want)))
 
 
 def shapes_in(jaxpr):
