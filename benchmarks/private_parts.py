@@ -40,7 +40,11 @@ side by side in one process (interleaved medians, ratios to the non-private step
   platform, as before issue 20's tenth part (`_leaves.reductions_only`: such norms are now
   divided by their magnitudes in any case, unchecked, and off a CPU the sums zeroed in any
   case: no `cond`). On the transformer, whose Grams keep both `cond`s, the same step as
-  ``ghost``.
+  ``ghost``;
+* ``sides unchecked``: the plain clipped sums whatever the magnitudes of their weighted sides,
+  as before issue 20's eleventh part (`_sums.unsafe`: a batch in which an example's factor
+  would take one side of a product out of its normal range is now summed with the factor
+  shared by both sides, `_sums.balanced`): what the check costs.
 
 The parts are swapped in by replacing functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
@@ -103,23 +107,26 @@ HIGHEST = lax.Precision.HIGHEST
 
 def _norms_at_one(t):
     one = jnp.ones_like(t.losses, jnp.float32)
-    return [(jnp.zeros_like(one, jnp.int32), one / len(t.leaves)) for _ in t.leaves]
+    zero = jnp.zeros_like(one, jnp.int32)
+    sides = {i: (zero[None], zero[None]) for i in _leaves.ghost_sites(t.plans)}  # (1: plain sums)
+    return [(zero, one / len(t.leaves)) for _ in t.leaves], sides
 
 
-def _sums_of_zero(t, w, keep, finite, spmd_axis_name=None):
+def _sums_of_zero(t, w, keep, finite, sides, spmd_axis_name=None):
     return [jnp.zeros_like(leaf) for leaf in t.leaves]
 
 
 def _unchecked(t):
-    return _leaves._terms(t, scaled=False)[0]
+    terms, _, sides = _leaves._terms(t, scaled=False)
+    return terms, sides
 
 
 def _checked_without_cond(t):
-    terms, safe = _leaves._unscaled(t)
-    return [(e, jnp.where(safe, v, jnp.nan)) for e, v in terms]
+    terms, safe, sides = _leaves._unscaled(t)
+    return [(e, jnp.where(safe, v, jnp.nan)) for e, v in terms], sides
 
 
-def _sums_without_cond(t, w, keep, finite, spmd_axis_name=None):
+def _sums_without_cond(t, w, keep, finite, sides, spmd_axis_name=None):
     sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
     return _sums.with_materialised(t, w, keep, sums, False)
 
@@ -134,6 +141,7 @@ VARIANTS = {
     "output gradients unpinned": {"_pinned": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "reductions checked": {"reductions_only": lambda t: False},
+    "sides unchecked": {"unsafe": lambda t, sides, w, kept: jnp.zeros_like(kept)},
 }
 
 
@@ -146,6 +154,7 @@ def swapped(names: dict):
         "product_precision": _factors,
         "_pinned": _interpret,
         "reductions_only": _leaves,
+        "unsafe": _sums,
     }
     saved = {name: getattr(modules[name], name) for name in names}
     try:

@@ -186,6 +186,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "output gradients unpinned",
         "Grams at HIGHEST",
         "reductions checked",
+        "sides unchecked",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
@@ -238,7 +239,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
     variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "check without cond"]
     variants += ["sums without cond", "output gradients unpinned", "Grams at HIGHEST"]
-    variants += ["reductions checked"]
+    variants += ["reductions checked", "sides unchecked"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0")}

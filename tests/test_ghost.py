@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from ghost_models import RTOL, assert_tree_close
-from hypothesis import example, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax import lax
 from reference import equations, run
@@ -154,11 +154,142 @@ def test_norms_exact_for_factors_near_float32s_largest(rows):
     for mode in ("jit", "eager"):
         _, aux = check_against_reference(loss, params, x, 1e36, mode=mode)
         assert np.all(np.asarray(aux.grad_norms) > 1e34)
-        # Clipped to 1, the norms are the same; the sums are not: each example's factor
-        # (1e-34) times its output gradients (1e-4) flushes (BUILD_NOTES, "Known limits").
+        # Clipped to 1: each example's factor (1e-34) times its output gradients (1e-4) would
+        # flush (`_sums.unsafe`); the factor is shared by both sides (`_sums.balanced`). The
+        # bias's clipped sum is at float32's smallest normal numbers (not compared).
         g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-        _, clipped = run(g, mode)(params, x)
+        grads, clipped = run(g, mode)(params, x)
         np.testing.assert_array_equal(clipped.grad_norms, aux.grad_norms)
+        _, sums = gm.reference(loss, params, x, 1.0)
+        assert_tree_close(grads["w"], sums["w"])
+        assert np.max(np.abs(sums["b"])) < 2.0**-124
+
+
+def _large_inputs(rows, shift=100, dtype=jnp.float32, gain=1e-4):
+    """A dense layer whose inputs are ``2**shift`` times larger and output gradients as many
+    times smaller than its neighbours' (the per-example gradients are ~`gain` whatever
+    `shift`), and a bias."""
+    rng = np.random.default_rng(35)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, 3)) * 0.5, dtype),
+        "b": jnp.asarray(rng.normal(size=3), dtype),
+    }
+    x = jnp.asarray(rng.normal(size=(5, rows, 4)), dtype)
+
+    def loss(p, x):
+        scale = 2.0**shift
+        return gain * jnp.sum(jnp.sin((x * scale) @ p["w"] / scale + p["b"]))
+
+    return loss, params, x
+
+
+def _scanned_large_inputs():
+    """Two dense layers under `lax.scan`, the second's inputs at 2**100 and output gradients
+    at 2**-100 (the first's at 1): its per-example gradients are as large as the first's."""
+    rng = np.random.default_rng(36)
+    params = {"w": jnp.asarray(rng.normal(size=(2, 4, 4)) * 0.5, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 1, 4)), jnp.float32)
+
+    def loss(p, x):
+        def layer(h, ws):
+            w, scale = ws
+            return jnp.sin((h * scale) @ w / scale), None
+
+        h, _ = lax.scan(layer, x, (p["w"], jnp.asarray([1.0, 2.0**100], jnp.float32)))
+        return 1e-4 * jnp.sum(h)
+
+    return loss, params, x
+
+
+@pytest.mark.parametrize("model", ["one row", "three rows", "scanned layers"])
+def test_clipped_sums_exact_where_a_weighted_side_would_flush(model, monkeypatch):
+    """Book-keeping weights one side of each dense product by the example's factor. With
+    inputs at 2**100 and output gradients at 1e-34, clipped from ~1e-4 to 1e-10, the weighted
+    output gradients (1e-40) would flush: every example's terms were lost, the weight's sum
+    0. Such a batch is summed with the factor shared between both sides (`_sums.balanced`):
+    jitted, eager, and as off a CPU (the MLP's `cond`-free sums, always shared). In a scan,
+    each layer counts: the second's output gradients are 2**100 times below the first's."""
+    if model == "scanned layers":
+        loss, params, x = _scanned_large_inputs()
+    else:
+        loss, params, x = _large_inputs(1 if model == "one row" else 3)
+    norms, sums = gm.reference(loss, params, x, 1e-10)
+    assert np.all(norms > 1e-6)
+    for way in ("jit", "eager", "default"):
+        with monkeypatch.context() as m:
+            if way == "default":
+                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+            g = optclip.clipped_grad(loss, l2_clip_norm=1e-10, return_grad_norms=True)
+            grads, aux = run(g, "eager" if way == "eager" else "jit")(params, x)
+        np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+        assert_tree_close(grads, sums)
+
+
+def test_unit_norm_factor_of_a_zero_gradient_beside_large_inputs_is_not_nan(monkeypatch):
+    """With `rescale_to_unit_norm`, an example whose gradient is 0 has factor ``1 / c``. Its
+    second layer's inputs (1e10) weighted by it (1e35) overflowed, and inf times its output
+    gradients (0: the ReLU is off) made every leaf's sum NaN. The other example's norm
+    (3e-29, whose squares flush: method="vmap" takes it for 0) is clipped to 1e-35."""
+
+    def loss(p, x):
+        z = (x @ p["w1"]) @ p["w2"]
+        return 1e-20 * jnp.sum(jax.nn.relu(z) * p["v"])
+
+    params = {
+        "w1": jnp.eye(3, dtype=jnp.float32),
+        "w2": jnp.ones((3, 4), jnp.float32),
+        "v": jnp.ones((4,), jnp.float32),
+    }
+    x = jnp.asarray([[-1e10, -1e10, -1e10], [1e-10, 2e-10, 3e-10]], jnp.float32)
+    norms, sums = gm.reference(loss, params, x, 1e-35)
+    assert norms[0] == 0 and norms[1] > 1e-35
+    for way in ("jit", "eager", "default"):
+        with monkeypatch.context() as m:
+            if way == "default":
+                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+            g = optclip.clipped_grad(
+                loss, l2_clip_norm=1e-35, rescale_to_unit_norm=True, return_grad_norms=True
+            )
+            grads, aux = run(g, "eager" if way == "eager" else "jit")(params, x)
+        np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+        assert_tree_close(grads, jax.tree.map(lambda s: s / 1e-35, sums))
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None)
+@given(
+    shift=st.integers(-100, 100),
+    gradient=st.integers(-60, 60),
+    clip=st.integers(-60, 60),
+    rows=st.sampled_from([1, 3]),
+    unit=st.booleans(),
+    gpu=st.booleans(),
+)
+@example(shift=100, gradient=-13, clip=-33, rows=1, unit=False, gpu=False)
+@example(shift=-100, gradient=0, clip=-60, rows=3, unit=True, gpu=False)
+def test_clipped_sums_exact_at_every_balance_of_inputs_gradients_and_clip(
+    shift, gradient, clip, rows, unit, gpu
+):
+    # Layer inputs at 2**shift, output gradients at 2**(gradient - shift), per-example
+    # gradients at 2**gradient, clipped to 2**clip (and divided by it with `unit`): wherever
+    # they are all normal numbers, and so is the clipped sum, the sum is float64's.
+    from unittest import mock
+
+    assume(abs(gradient - shift) <= 100 and (not unit or gradient - clip >= -60))
+    loss, params, x = _large_inputs(rows, shift)
+    scaled = lambda p, x: loss(p, x) * 2.0**gradient * 1e4  # noqa: E731
+    c = 2.0**clip
+    norms, sums = gm.reference(scaled, params, x, c)
+    g = optclip.clipped_grad(
+        scaled, l2_clip_norm=c, rescale_to_unit_norm=unit, return_grad_norms=True
+    )
+    platform = lax.platform_dependent
+    if gpu:
+        platform = lambda *a, default, **_: default(*a)  # noqa: E731
+    with mock.patch.object(lax, "platform_dependent", platform):
+        grads, aux = jax.jit(g)(params, x)
+    np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
+    assert_tree_close(grads, jax.tree.map(lambda s: s / c, sums) if unit else sums)
 
 
 def test_a_factor_is_divided_exactly_at_every_exponent():
@@ -412,6 +543,33 @@ def test_low_precision_models_accumulate_norms_in_float32(dtype):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
         np.testing.assert_allclose(a, b, atol=3e-2 * np.max(np.abs(b)))
+
+
+def test_float16_sides_weighted_below_their_precision_share_the_factor(monkeypatch):
+    # Float16's normal numbers stop at 6e-5. Inputs at 256x and output gradients at 4e-3,
+    # clipped from norms of 2-3 to 1e-3: the weighted output gradients (4e-6) round to float16's
+    # subnormal numbers, 1.5% apart (`_sums._normal_exponents`): the weight's sum came out 3e-2
+    # of its largest entry off float64. Such a batch shares the factor between both sides:
+    # within float16's rounding (9.8e-4; method="vmap": 1.1e-3). Clipped to 1, the plain sums.
+    from optclip.ghost import _sums
+
+    loss, params, x = _large_inputs(1, shift=8, dtype=jnp.float16, gain=1.0)
+    unsafe, flagged = _sums.unsafe, []
+
+    def spy(*args):
+        flags = unsafe(*args)
+        if not isinstance(flags, jax.core.Tracer):  # (eager)
+            flagged.append(int(np.sum(flags)))
+        return flags
+
+    monkeypatch.setattr(_sums, "unsafe", spy)
+    for clip, count in ((1e-3, x.shape[0]), (1.0, 0)):
+        g = optclip.clipped_grad(loss, l2_clip_norm=clip)
+        grads = g(params, x)  # (eager: the flags are concrete)
+        assert flagged.pop() == count
+        _, sums = gm.reference(loss, params, x, clip)
+        assert_tree_close(grads, sums, rtol=2e-3)
+        assert_tree_close(jax.jit(g)(params, x), sums, rtol=2e-3)
 
 
 def test_low_precision_sums_with_a_dropped_example_add_up_in_float32():

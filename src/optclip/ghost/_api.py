@@ -135,13 +135,15 @@ def clipped_grad(
 
     Differences from jax_privacy on purpose: the norm is exact at every magnitude (accumulated
     in float32 for float16/bfloat16 models; an example whose squares overflow float32 is
-    clipped, not zeroed); with ``nan_safe=True`` an example whose gradient is not finite is
-    dropped (contributes zero; jax_privacy zeroes its non-finite entries and keeps the rest);
-    with ``nan_safe=False`` it makes the sum NaN. ``pre_clipping_transform`` (default none)
-    needs the per-example gradients: given one, ``"auto"`` runs as ``"vmap"``. The norms'
-    matrix products take the precision of the layers' products (JAX's default: TF32 on a GPU,
-    bfloat16 on a TPU, float32 on a CPU); for float32 norms everywhere, call it under
-    ``jax.default_matmul_precision("highest")``.
+    clipped, not zeroed), and so is the clipped sum (where an example's factor would take one
+    side of a layer's product out of its dtype's normal range, the batch is summed with the
+    factor shared between both sides, in a slower second pass); with ``nan_safe=True`` an
+    example whose gradient is not finite is dropped (contributes zero; jax_privacy zeroes its
+    non-finite entries and keeps the rest); with ``nan_safe=False`` it makes the sum NaN.
+    ``pre_clipping_transform`` (default none) needs the per-example gradients: given one,
+    ``"auto"`` runs as ``"vmap"``. The norms' matrix products take the precision of the layers'
+    products (JAX's default: TF32 on a GPU, bfloat16 on a TPU, float32 on a CPU); for float32
+    norms everywhere, call it under ``jax.default_matmul_precision("highest")``.
 
     Args:
       fun: the loss, ``fun(*args) -> loss`` (or ``(loss, aux)`` with `has_aux`): a real scalar

@@ -192,19 +192,20 @@ def _use_rows(t) -> dict:
 
 def _terms(t, scaled: bool):
     """Every leaf's ``(exponent, value)`` of its squared per-example norms (in leaf order)
-    from the tapped pass `t`, and whether computing them without dividing the factors by
-    their magnitudes is exact (`_factors.safe` for every use of every example). Where every
-    norm is a reduction (`reductions_only`), divided by their magnitudes in any case, and not
-    checked."""
+    from the tapped pass `t`, whether computing them without dividing the factors by their
+    magnitudes is exact (`_factors.safe` for every use of every example), and the magnitudes
+    of the ghost sites' sides (`_sides`). Where every norm is a reduction (`reductions_only`),
+    divided by their magnitudes in any case, and not checked."""
     acc = _norm_rules.widest_accum_dtype([x.dtype for x in t.leaves] or [jnp.float32])
     exact = reductions_only(t)
     scaled = scaled or exact
-    checks, terms = [], []
+    checks, terms, sides = [], [], {}
     for i, plan in enumerate(t.plans):
         if plan.mode == "ghost":
             uses = ghost_uses(plan, t.records, t.grads, acc)
             checks += [] if exact else [jnp.all(_factors.safe(x, y)) for x, y in uses]
             terms.append(ghost_terms(plan, uses, acc, scaled))
+            sides.update(_sides(plan, uses))
         elif plan.mode == "materialised":
             f = _factors.squares(t.example_grads[i], acc)
             checks += [] if exact else [jnp.all(_factors.safe_squares(f))]
@@ -212,12 +213,25 @@ def _terms(t, scaled: bool):
         else:
             zero = jnp.zeros_like(t.losses, acc)  # (split over a mesh like the batch)
             terms.append((zero.astype(jnp.int32), zero))
-    return terms, (jnp.all(jnp.stack(checks)) if checks else True)
+    return terms, (jnp.all(jnp.stack(checks)) if checks else True), sides
+
+
+def _sides(leaf_plan, uses) -> dict:
+    """``{site id: (record's, output gradient's)}`` for each use of a ghost leaf: per layer of
+    its scans and example (shape ``(L, B)``), the exponent of each side's largest magnitude
+    (`_factors.magnitude`; `_factors.ZERO_EXPONENT` where the side is 0), as the norms
+    computed it. The clipped sums read them (`_sums.unsafe`, `_sums.balanced`)."""
+    out = {}
+    for (site, _, _), swap, (x, y) in zip(leaf_plan.uses, leaf_plan.swapped, uses, strict=True):
+        record, grad = (y, x) if swap else (x, y)
+        out[site.id] = (record.exponent, grad.exponent)
+    return out
 
 
 def leaf_norm_terms(t):
     """``(exponent, value)`` of every leaf's squared per-example norms, in leaf order, from the
-    tapped pass `t` (`_interpret.Tapped`).
+    tapped pass `t` (`_interpret.Tapped`); and the magnitudes of the ghost sites' records and
+    output gradients (`_sides`), for the clipped sums.
 
     Where every norm is a reduction (`reductions_only`: an MLP), computed on factors divided
     by their magnitudes, exact at every magnitude with no check and no `cond` (on a GPU, XLA
@@ -228,10 +242,10 @@ def leaf_norm_terms(t):
     (one `lax.cond` for the batch; decided in Python when eager) one example after another,
     each factor divided by its magnitude: exact at every magnitude, the same values where both
     are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
-    terms, safe = _unscaled(t)
+    terms, safe, sides = _unscaled(t)
     if not _checks.is_traced(safe):
-        return terms if bool(safe) else _scaled(t)
-    return lax.cond(safe, lambda: terms, lambda: _scaled(t))
+        return (terms if bool(safe) else _scaled(t)), sides
+    return lax.cond(safe, lambda: terms, lambda: _scaled(t)), sides
 
 
 # The per-example multiply-adds of the Grams above which the loop pays for its iterations.
@@ -249,12 +263,12 @@ def _gram_work(t) -> int:
 
 
 def _unscaled(t):
-    """`_terms` on the factors as they are, and whether that is exact: on a CPU one example
-    after another (`lax.map`; where `Tapped.one_by_one`), elsewhere the whole batch at once.
-    XLA on the CPU runs a batch of per-example Grams as one product 1.6x slower than as a loop
-    of one example's products, each checked and reduced while its factors are in the cache
-    (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop. Never where every
-    norm is a reduction (`reductions_only`: no Gram has rows to keep in the cache)."""
+    """`_terms` on the factors as they are (with whether that is exact, and the sides): on a CPU
+    one example after another (`lax.map`; where `Tapped.one_by_one`), elsewhere the whole batch
+    at once. XLA on the CPU runs a batch of per-example Grams as one product 1.6x slower than as
+    a loop of one example's products, each checked and reduced while its factors are in the
+    cache (`benchmarks/private_parts.py --grams`); a GPU would serialise the loop. Never where
+    every norm is a reduction (`reductions_only`: no Gram has rows to keep in the cache)."""
     if not t.one_by_one or _gram_work(t) < LOOP_WORK or reductions_only(t):
         return _terms(t, scaled=False)
     return lax.platform_dependent(
@@ -267,11 +281,12 @@ def _by_example(t, scaled: bool):
     `Tapped.one_by_one`)."""
 
     def one(b):
-        terms, safe = _terms(t.example(b), scaled=scaled)
-        return [(e[0], v[0]) for e, v in terms], safe
+        terms, safe, sides = _terms(t.example(b), scaled=scaled)
+        sides = {k: (r[:, 0], g[:, 0]) for k, (r, g) in sides.items()}
+        return [(e[0], v[0]) for e, v in terms], safe, sides
 
-    terms, safe = lax.map(one, jnp.arange(t.size))
-    return terms, jnp.all(safe)
+    terms, safe, sides = lax.map(one, jnp.arange(t.size))
+    return terms, jnp.all(safe), {k: (r.T, g.T) for k, (r, g) in sides.items()}
 
 
 def _scaled(t):

@@ -211,10 +211,10 @@ def ghost_pass(one, args, kwargs, padding, s: Settings):
     """Ghost norms, then the clipped sum by book-keeping (`_sums`): from the same records and
     output gradients, with no second pass."""
     t = tapped_pass(one, flatten(args, kwargs, s), s)
-    terms = _leaves.leaf_norm_terms(t)
+    terms, sides = _leaves.leaf_norm_terms(t)
     norms = _factors.combine(terms) if terms else jnp.zeros((t.size,), jnp.float32)
     w, keep, finite = weights(lax.stop_gradient(norms), padding, s)
-    sums = _sums.clipped_sums(t, w, keep, finite, s.spmd_axis_name)
+    sums = _sums.clipped_sums(t, w, keep, finite, sides, s.spmd_axis_name)
     if s.dtype is not None:
         sums = [g.astype(s.dtype) for g in sums]
     return _as_grads(sums, args, s), norms, t.losses, t.aux

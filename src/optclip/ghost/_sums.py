@@ -13,13 +13,20 @@ convolution is bilinear, so the factor goes on whichever of its input and output
 smaller (``(w A)^T G``, no copy of the larger). The materialised leaves' sums are their
 per-example gradients contracted with the factors (`_per_example._sums`).
 
+The weighted side must stay in its dtype's normal range: inputs near float32's largest weighted
+by a small factor flushed to zero (every term of that example lost), a side near float32's
+largest weighted by ``1 / c`` (`rescale_to_unit_norm`) overflowed. Where some example's would
+(`unsafe`, from the magnitudes the norms computed), the batch takes the second path below,
+where each bilinear site's factor is shared between both sides (`balanced`), each brought near
+the square root of their largest product.
+
 A dropped example (padding, or a non-finite one with `nan_safe`) has factor 0, but ``0 * inf``
 is NaN: when a dropped example's norm is not finite, the sums are taken one example after
 another, each dropped example's records and output gradients zeroed first (a second path, taken
 only then, whose copies are one example's). An example whose norm is finite has finite records
 and output gradients at every ghost site: each of them enters its norm. Where every site reads
-one row per example (`_leaves.reductions_only`: an MLP), the dropped examples are zeroed in any
-case off a CPU, over the whole batch, with no `cond`.
+one row per example (`_leaves.reductions_only`: an MLP), the dropped examples are zeroed and
+the factors shared in any case off a CPU, over the whole batch, with no `cond`.
 """
 
 from __future__ import annotations
@@ -49,9 +56,105 @@ def _kept(x, keep, axis: int):
     return jnp.where(_at(keep, x, axis), x, jnp.zeros((), x.dtype))
 
 
-def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None):
+def _bilinear(site, record, cotangent) -> bool:
+    """Whether `site`'s output is bilinear in its record and the parameter (a dense layer or a
+    convolution): the factor may then go on either side of its product."""
+    return site.kind in ("dense", "conv") and len(record) == 1 and len(cotangent) == 1
+
+
+def _weights_record(site, record, cotangent) -> bool:
+    """Whether the plain sum weights `site`'s record (the smaller side of a bilinear site)
+    rather than its output gradients."""
+    return _bilinear(site, record, cotangent) and record[0].size < cotangent[0].size
+
+
+def _normal_exponents(dtype) -> tuple[int, int]:
+    """``(lo, hi)``: a side of `dtype` weighted by ``w`` loses nothing that counts where the
+    exponent ``a`` of ``w`` times its largest magnitude (so that ``2**(a-2) <= w max|x| <
+    2**a``) is in ``[lo, hi]``, and none of its entries overflows. Below ``lo``, float32 and
+    bfloat16 entries flush to zero on a CPU where they are more than ``2**-(nmant+2)`` of the
+    largest; float16 ones (formed in float32, then rounded to float16's subnormal numbers, not
+    flushed) are rounded more coarsely than float16 rounds the largest."""
+    info = jnp.finfo(dtype)
+    if info.minexp <= jnp.finfo(jnp.float32).minexp:
+        return info.minexp + info.nmant + 4, info.maxexp - 1
+    return info.minexp + 2, info.maxexp - 1
+
+
+def unsafe(t, sides, w, kept):
+    """Per example: True where the plain sums (one side of each bilinear site weighted by the
+    example's factor `w`) would lose some of its terms, by the magnitudes `sides`
+    (`_leaves.leaf_norm_terms`): the weighted side would leave its dtype's normal range
+    (`_normal_exponents`). That takes a side past ``2**100`` times the other's over the clip
+    norm (inputs near float32's largest, clipped to 1), or a factor above 1
+    (`rescale_to_unit_norm`: ``1 / c``) times a side past ``c`` times float32's largest (an
+    example whose gradient is 0 has factor ``1 / c``: ``inf * 0`` was NaN). Each layer of a
+    scan counts (its side may be far smaller than another layer's). Only examples `kept` whose
+    factor is neither 0 nor 1 count (either one multiplies exactly)."""
+    _, ew = jnp.frexp(w)
+    flags = jnp.zeros(w.shape, bool)
+    for site in _leaves.ghost_sites(t.plans).values():
+        record = _interpret.site_records(site, t.records)
+        cotangent = t.grads[site.id]
+        if not _bilinear(site, record, cotangent):
+            continue  # (a lookup: the weighted side is the sum's own entries)
+        side = 0 if _weights_record(site, record, cotangent) else 1
+        e = sides[site.id][side]  # (L, B)
+        lo, hi = _normal_exponents((record if side == 0 else cotangent)[0].dtype)
+        zero = e == _factors.ZERO_EXPONENT
+        largest = jnp.max(e, axis=0)
+        smallest = jnp.min(jnp.where(zero, largest, e), axis=0)  # (of the layers not 0)
+        out = (smallest + ew < lo) | (largest + ew > hi)
+        flags |= out & ~jnp.all(zero, axis=0)
+    return flags & kept & (w != 0) & (w != 1)
+
+
+def _power_of_two(k, dtype):
+    """``2**k`` in `dtype` (float32 or float64), exactly, for ``k`` of its normal numbers."""
+    info = jnp.finfo(dtype)
+    ints = jnp.int32 if info.bits == 32 else jnp.int64
+    return lax.bitcast_convert_type((k.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
+
+
+def balanced(w, e_record, e_grad, dtype):
+    """Per example, the factors (each a pair of `dtype` numbers, applied one after the other)
+    of a bilinear site's record and output gradient whose product is `w`, chosen so that both
+    sides' largest magnitudes come out near each other, the square root of their largest
+    product: neither side leaves the normal range while that product is in it, whatever the
+    sides' magnitudes (`e_record`, `e_grad`: `_leaves._sides`, whose largest over the layers
+    is taken). A side that is 0 is left as it is, and the other brought near 1 (a side near
+    float32's largest, weighted by ``1 / c``, times zeros was NaN)."""
+    info = jnp.finfo(dtype)
+    e_record, e_grad = jnp.max(e_record, axis=0), jnp.max(e_grad, axis=0)
+    mantissa, ew = jnp.frexp(w.astype(dtype))
+    zero_r = e_record == _factors.ZERO_EXPONENT
+    zero_g = e_grad == _factors.ZERO_EXPONENT
+    shift = (e_grad - e_record - ew) // 2  # the output gradient's division, as a power of two
+    shift = jnp.where(zero_g, -(e_record + ew), shift)
+    shift = jnp.where(zero_r, 0, shift)
+    low, high = 2 * (info.minexp + 1), 2 * (info.maxexp - 2)  # (two halves, each normal)
+    up = jnp.clip(ew + shift, low, high)
+    down = jnp.clip(-shift, low, high)
+    pair = lambda k: (_power_of_two(k // 2, dtype), _power_of_two(k - k // 2, dtype))  # noqa: E731
+    (r1, r2), (g1, g2) = pair(up), pair(down)
+    return (r1, r2 * mantissa), (g1, g2)
+
+
+def _times(x, factors, axis: int):
+    """`x` times each of `factors` (per example, along `axis`) in turn, rounded once to `x`'s
+    dtype (float32 arithmetic for a float16 or bfloat16 `x`)."""
+    work = jnp.promote_types(x.dtype, factors[0].dtype)
+    out = x.astype(work)
+    for f in factors:
+        out = out * _at(f, x, axis).astype(work)
+    return out.astype(x.dtype)
+
+
+def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None, sides=None):
     """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone;
-    with `keep`, the other examples' records and output gradients are zeroed first."""
+    with `keep`, the other examples' records and output gradients are zeroed first; with
+    `sides` (the site's, `_leaves._sides`), a bilinear site's factor is shared between both of
+    its sides (`balanced`), else it goes on one."""
     depth = len(site.stack)
     values = [view.stacked(leaves[view.leaf]) for _, view in site.views]
     record = list(_interpret.site_records(site, records))
@@ -59,8 +162,13 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None):
     if keep is not None:
         record = [_kept(x, keep, depth) for x in record]
         cotangent = [_kept(g, keep, depth) for g in cotangent]
-    bilinear = site.kind in ("dense", "conv") and len(record) == 1 and len(cotangent) == 1
-    if bilinear and record[0].size < cotangent[0].size:
+    if sides is not None and _bilinear(site, record, cotangent):
+        work = jnp.promote_types(record[0].dtype, jnp.float32)
+        e_record, e_grad = sides
+        on_record, on_grad = balanced(w, e_record, e_grad, work)
+        record[0] = _times(record[0], on_record, depth)
+        cotangent[0] = _times(cotangent[0], on_grad, depth)
+    elif _weights_record(site, record, cotangent):
         record[0] = _weighted(record[0], w, depth)
     else:
         cotangent = [_weighted(g, w, depth) for g in cotangent]
@@ -137,30 +245,34 @@ def _merged(x, summed: list, batch: list):
     return x, [start], [d if d < start else d - n + 1 for d in batch]
 
 
-def _ghost_sums(t, w, keep=None, spmd_axis_name=None):
+def _ghost_sums(t, w, keep=None, spmd_axis_name=None, sides=None):
     out = [jnp.zeros_like(leaf) for leaf in t.leaves]
     for site in _leaves.ghost_sites(t.plans).values():
-        parts = site_sum(site, t.leaves, t.records, t.grads, w, keep, spmd_axis_name)
+        mine = None if sides is None else sides[site.id]
+        parts = site_sum(site, t.leaves, t.records, t.grads, w, keep, spmd_axis_name, mine)
         for leaf, g in parts.items():
             out[leaf] = out[leaf] + g.astype(out[leaf].dtype)
     return out
 
 
-def _one_by_one(t, w, keep):
+def _one_by_one(t, w, keep, sides):
     """Every leaf's sum (the ghost sites' and the materialised leaves') one example after
     another, each dropped example's records, output gradients and per-example gradients zeroed
     first (slices of one example: no copy of the batch's, which XLA would hold beside
     everything the sums read: the MLP at 256 took 1.20x the non-private step's memory with the
     materialised leaves' zeroed over the batch, 1.14x so); where the batch is split over a
     mesh (`Tapped.one_by_one`), the whole batch at once, zeroed. The examples' terms are added
-    in float32 for a float16 or bfloat16 leaf, rounded once at the end."""
+    in float32 for a float16 or bfloat16 leaf, rounded once at the end. Each bilinear site's
+    factor is shared between its sides (`balanced`)."""
     if not t.one_by_one:
-        return with_materialised(t, w, keep, _ghost_sums(t, w, keep), True)
+        return with_materialised(t, w, keep, _ghost_sums(t, w, keep, None, sides), True)
 
     def step(total, b):
         cut = lambda v: lax.dynamic_slice_in_dim(v, b, 1)  # noqa: E731
         one, w_b, keep_b = t.example(b), cut(w), cut(keep)
-        parts = with_materialised(one, w_b, keep_b, _ghost_sums(one, w_b, keep_b), True)
+        layers = lambda e: lax.dynamic_slice_in_dim(e, b, 1, axis=1)  # noqa: E731  (L, B)
+        sums = _ghost_sums(one, w_b, keep_b, None, jax.tree.map(layers, sides))
+        parts = with_materialised(one, w_b, keep_b, sums, True)
         return [a + p.astype(a.dtype) for a, p in zip(total, parts, strict=True)], None
 
     zeros = [jnp.zeros_like(leaf, _per_example._work_dtype(leaf.dtype)) for leaf in t.leaves]
@@ -183,21 +295,23 @@ def with_materialised(t, w, keep, out: list, zeroed: bool) -> list:
     return out
 
 
-def clipped_sums(t, w, keep, finite, spmd_axis_name=None):
+def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
     """Every leaf's ``sum_b w_b g_b`` (zeros for an unused leaf), in leaf order, from the
     tapped pass `t` (`_interpret.Tapped`): `w` are the factors, `keep` the examples kept,
-    `finite` those of finite norm."""
+    `finite` those of finite norm, `sides` the magnitudes of the ghost sites' records and
+    output gradients (`_leaves.leaf_norm_terms`)."""
 
     def plain():  # every dropped example finite: its factor 0 zeroes its terms
         return with_materialised(t, w, keep, _ghost_sums(t, w, None, spmd_axis_name), False)
 
     def zeroed():
-        return _one_by_one(t, w, keep)
+        return _one_by_one(t, w, keep, sides)
 
     # One `cond` for the ghost sites' sums and the materialised leaves' (they had one each: on
     # an H100 the two cost the MLP's step of 0.1 ms 0.4-0.6x, `private_parts.py --mlp`'s
-    # ``sums without cond``).
-    clean = jnp.all(keep | finite)  # no dropped example has a non-finite record
+    # ``sums without cond``). The plain sums need every dropped example finite (no dropped
+    # example has a non-finite record) and every weighted side in its normal range (`unsafe`).
+    clean = jnp.all(keep | finite) & ~jnp.any(unsafe(t, sides, w, keep & finite))
     if not _checks.is_traced(clean):
         return plain() if bool(clean) else zeroed()
     branched = lambda: lax.cond(clean, plain, zeroed)  # noqa: E731
@@ -208,7 +322,8 @@ def clipped_sums(t, w, keep, finite, spmd_axis_name=None):
         # CPU the `cond` is cheaper than the copies (`private_parts.py --mlp`: 1.17x the
         # non-private step against 1.23x at batch 256).
         def always():
-            return with_materialised(t, w, keep, _ghost_sums(t, w, keep, spmd_axis_name), True)
+            sums = _ghost_sums(t, w, keep, spmd_axis_name, sides)
+            return with_materialised(t, w, keep, sums, True)
 
         return lax.platform_dependent(cpu=branched, default=always)
     return branched()
