@@ -13,7 +13,8 @@
 #   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out,
 #              and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
 #   mlpparts   the same on the MLP at 16 and 256, whose steps of a tenth of a millisecond
-#              count kernels and the `cond`s' branch decisions;
+#              count kernels and the `cond`s' branch decisions, after each part's compiled
+#              peak memory at 16, 64 and 256 (--memory);
 #   kernels    private_parts.py --kernels: both steps' device time by source line, the
 #              transformer and the MLP at 256, with XLA's command buffers off (with them, a
 #              profile shows each CUDA graph as one event: no instruction is named).
@@ -69,8 +70,11 @@ for s in $steps; do
             tail -60 "$OUT/known.log" ;;
         parts) limited 200 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
             --json "$OUT/parts.json" ;;
-        mlpparts) limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
-            --pairs 20 --json "$OUT/mlp_parts.json" ;;
+        mlpparts)
+            limited 40 python3 benchmarks/private_parts.py --mlp --memory --batches 16 64 256 \
+                --json "$OUT/mlp_memory.json"
+            limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
+                --pairs 20 --json "$OUT/mlp_parts.json" ;;
         kernels)
             off="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
             XLA_FLAGS=$off limited 90 python3 benchmarks/private_parts.py --kernels \

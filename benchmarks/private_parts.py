@@ -6,6 +6,7 @@
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --flops [--mlp] [--batches 16 256]
+    python benchmarks/private_parts.py --memory [--mlp] [--gpu-branches] [--batches 16 64 256]
     python benchmarks/private_parts.py --kernels [--mlp] [--batches 256] [--top 30]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
@@ -66,6 +67,13 @@ work not counted): the arithmetic each variant must do, whatever the machine. Th
 `cond`s choose between the same products on two platforms, or skip the rare recomputation of
 the norms from rescaled factors (`_factors.safe`): their cheapest branch is the one that runs.
 
+``--memory``, in place of timing, gives each step's peak memory by XLA's analysis of it
+compiled for this machine (`private.peak_bytes`, as ``benchmarks/private.py`` measures it).
+``--gpu-branches`` builds the steps (timed, counted or sized) with the engine's
+`lax.platform_dependent` choices made as on a GPU: what a GPU would run (the MLP's `cond`-free
+sums, one reduction per magnitude), compiled for this machine, an estimate of a GPU's step
+where none is lent (its memory is packed by the CPU's scheduler, not the GPU's).
+
 ``--kernels`` profiles the non-private step and the ghost step (`_kernels.by_line`: device
 time per call by the source line of each HLO instruction, a GPU's kernels summed per
 instruction) and prints the `--top` lines whose time differs most between them: the model's
@@ -97,6 +105,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _kernels  # noqa: E402
 import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
+import private  # noqa: E402
 
 import optclip  # noqa: E402
 from optclip.ghost import _factors, _interpret, _leaves, _sums  # noqa: E402
@@ -246,6 +255,32 @@ def parts(loss, params, batch, pairs: int, variants=tuple(VARIANTS)) -> list[dic
     return rows
 
 
+def memory(loss, params, batch, variants=tuple(VARIANTS)) -> list[dict]:
+    """The peak memory of the non-private step and of each of `variants`, by XLA's analysis of
+    each compiled for this machine (`private.peak_bytes`), untimed."""
+    size = jax.tree.leaves(batch)[0].shape[0]
+    compiled = lambda f: jax.jit(f).lower(params, batch).compile()  # noqa: E731
+    base = private.peak_bytes(compiled(_non_private(loss, size)))
+    rows = [dict(variant="jax.grad (non-private)", batch=size, peak_bytes=base)]
+    for name in variants:
+        with swapped(VARIANTS[name]):
+            peak = private.peak_bytes(compiled(optclip.clipped_grad(loss, l2_clip_norm=CLIP)))
+        rows.append(dict(variant=name, batch=size, peak_bytes=peak, memory_ratio=peak / base))
+    return rows
+
+
+@contextlib.contextmanager
+def gpu_branches():
+    """The engine's `lax.platform_dependent` choices made as on a GPU (their default branch)
+    whatever machine the steps are compiled for: what a GPU would run, compiled here."""
+    chosen = lax.platform_dependent
+    lax.platform_dependent = lambda *args, default, **_: default(*args)
+    try:
+        yield
+    finally:
+        lax.platform_dependent = chosen
+
+
 def kernels(loss, params, batch, top: int) -> list[dict]:
     size = jax.tree.leaves(batch)[0].shape[0]
     steps = {
@@ -358,6 +393,14 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--top", type=_timing.count, default=30, help="lines --kernels prints")
     parser.add_argument(
+        "--memory", action="store_true", help="each variant's compiled peak memory, untimed"
+    )
+    parser.add_argument(
+        "--gpu-branches",
+        action="store_true",
+        help="the engine's platform choices made as on a GPU, compiled for this machine",
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         choices=list(VARIANTS),
@@ -367,10 +410,18 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
-    if args.kernels and (args.flops or args.grams or args.products):
-        parser.error("--kernels profiles the two steps: not with --flops, --grams or --products")
-    if args.flops and (args.grams or args.products):
-        parser.error("--flops counts the steps' parts: not with --grams or --products")
+    if args.kernels and (args.flops or args.memory or args.grams or args.products):
+        parser.error(
+            "--kernels profiles the two steps: not with --flops, --memory, --grams or --products"
+        )
+    if args.flops and (args.memory or args.grams or args.products):
+        parser.error("--flops counts the steps' parts: not with --memory, --grams or --products")
+    if args.memory and (args.grams or args.products):
+        parser.error("--memory sizes the steps' parts: not with --grams or --products")
+    if args.gpu_branches and (args.kernels or args.grams or args.products):
+        parser.error(
+            "--gpu-branches builds the ghost steps: not with --kernels, --grams or --products"
+        )
     if args.grams and args.mlp:
         parser.error("--grams times the transformer's output layer: not with --mlp")
     if args.products and (args.grams or args.mlp):
@@ -399,12 +450,16 @@ def main(argv=None) -> list[dict]:
         elif args.products:
             mlp = models.MLPShape(inputs=16, hidden=32) if args.quick else models.MLPShape()
             new = products(b, mlp, pairs)
-        elif args.flops:
-            new = flops(loss, params, make_batch(b), args.variants)
         elif args.kernels:
             new = kernels(loss, params, make_batch(b), args.top)
         else:
-            new = parts(loss, params, make_batch(b), pairs, args.variants)
+            with gpu_branches() if args.gpu_branches else contextlib.nullcontext():
+                if args.flops:
+                    new = flops(loss, params, make_batch(b), args.variants)
+                elif args.memory:
+                    new = memory(loss, params, make_batch(b), args.variants)
+                else:
+                    new = parts(loss, params, make_batch(b), pairs, args.variants)
         for row in new:
             ratio = row.get("time_ratio")
             spread = row.get("time_iqr")
@@ -415,6 +470,9 @@ def main(argv=None) -> list[dict]:
             elif "flops" in row:
                 text = f"batch {b:4d}  {label:24s} {row['flops'] / 1e9:10.2f} GFLOP"
                 ratio = row.get("flop_ratio")
+            elif "peak_bytes" in row:
+                text = f"batch {b:4d}  {label:24s} {row['peak_bytes'] / 2**20:10.3f} MiB"
+                ratio = row.get("memory_ratio")
             else:
                 text = f"batch {b:4d}  {label:24s} {row['time_s'] * 1e3:10.1f} ms"
             if ratio is not None:

@@ -360,6 +360,54 @@ def test_the_parts_benchmark_gives_the_engine_back():
     assert (_leaves.leaf_norm_terms, _sums.clipped_sums) == before
 
 
+def test_the_parts_benchmark_compiles_the_gpus_branches_here():
+    """`private_parts.gpu_branches`: the benchmark's MLP compiled for this CPU takes the
+    engine's GPU branches (no `conditional`: the sums zeroed without one), where it otherwise
+    takes the CPU's (one); `lax.platform_dependent` comes back, also when tracing fails."""
+    parts = load("private_parts.py")
+    models = load("_private_models.py")
+    shape = models.MLPShape(inputs=16, hidden=32)
+    params, batch = models.mlp_params(shape), models.mlp_batch(shape, 8)
+    before = lax.platform_dependent
+
+    def conditionals():
+        step = jax.jit(optclip.clipped_grad(models.mlp_loss, l2_clip_norm=1.0))
+        return step.lower(params, batch).compile().as_text().count("conditional(")
+
+    with parts.gpu_branches():
+        assert conditionals() == 0
+    assert lax.platform_dependent is before and conditionals() == 1
+    with pytest.raises(RuntimeError, match="inside"):
+        with parts.gpu_branches():
+            raise RuntimeError("inside")
+    assert lax.platform_dependent is before
+
+
+@pytest.mark.slow
+def test_the_ghost_steps_memory_is_sized_variant_by_variant(tmp_path):
+    """private_parts.py --memory: each variant's compiled peak beside the non-private step's,
+    their ratio; with --gpu-branches as a GPU's engine would choose (the MLP's `cond`-free
+    sums: not the same step, so not the same peak here); refused beside the other modes."""
+    asked = ("--mlp", "--memory", "--batches", "8", "--variants", "ghost", "reductions checked")
+    ghost = []
+    for extra in ((), ("--gpu-branches",)):
+        rows = run_private(tmp_path, *asked, *extra, script="private_parts.py")
+        assert [(r["variant"], r["batch"]) for r in rows] == [
+            ("jax.grad (non-private)", 8),
+            ("ghost", 8),
+            ("reductions checked", 8),
+        ]
+        base = rows[0]["peak_bytes"]
+        assert base > 0 and all(r["memory_ratio"] == r["peak_bytes"] / base for r in rows[1:])
+        assert "time_s" not in rows[1]
+        ghost.append(rows[1]["peak_bytes"])
+    assert ghost[0] != ghost[1]  # (the CPU's branches, then the GPU's)
+    refused("--memory", "--grams", why="--memory sizes the steps' parts")
+    refused("--memory", "--flops", why="--flops counts the steps' parts")
+    refused("--kernels", "--memory", why="--kernels profiles the two steps")
+    refused("--gpu-branches", "--products", why="--gpu-branches builds the ghost steps")
+
+
 @pytest.mark.parametrize(
     "script, args, named, given",
     [

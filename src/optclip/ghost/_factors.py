@@ -92,15 +92,26 @@ class Factor:
             return self
         e = jnp.where(self.exponent == ZERO_EXPONENT, 0, self.exponent)  # (a zero stays 0)
         e = e.reshape(e.shape + (1,) * (self.values.ndim - 2))
-        one = jnp.ones((), self.values.dtype)
-        half = e // 2
-        values = (self.values * jnp.ldexp(one, -half)) * jnp.ldexp(one, half - e)
+        first, second = powers_of_two(-e, self.values.dtype)
+        values = (self.values * first) * second
         return dataclasses.replace(self, values=values)
 
 
 # The exponent of a zero factor or norm: below every other (a zero must not set the scale that
 # the other terms are expressed in), yet far from int32's limits when a few are added.
 ZERO_EXPONENT = -(2**20)
+
+
+def powers_of_two(k, dtype):
+    """``2**k`` in the floating `dtype` as two factors, ``2**(k//2)`` and ``2**(k - k//2)``, to
+    multiply by one after the other: each is exact (built from its bits) and normal for any
+    integer ``k`` within twice `dtype`'s normal exponents, where ``2**k`` itself may be
+    subnormal (XLA on a CPU flushes it to zero) or overflow."""
+    info = jnp.finfo(dtype)
+    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+    k = jnp.asarray(k).astype(ints)
+    bits = lambda n: lax.bitcast_convert_type((n + (info.maxexp - 1)) << info.nmant, dtype)  # noqa: E731
+    return bits(k // 2), bits(k - k // 2)
 
 
 def squares(x, acc) -> Factor:

@@ -44,12 +44,6 @@ def _at(v, x, axis: int):
     return v.reshape((1,) * axis + (-1,) + (1,) * (x.ndim - axis - 1))
 
 
-def _weighted(x, w, axis: int):
-    """``w_b * x_b`` along `axis`, rounded once to `x`'s dtype."""
-    work = jnp.float32 if jnp.finfo(x.dtype).bits < 32 else x.dtype
-    return (x.astype(work) * _at(w, x, axis).astype(work)).astype(x.dtype)
-
-
 def _kept(x, keep, axis: int):
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         return x
@@ -109,13 +103,6 @@ def unsafe(t, sides, w, kept):
     return flags & kept & (w != 0) & (w != 1)
 
 
-def _power_of_two(k, dtype):
-    """``2**k`` in `dtype` (float32 or float64), exactly, for ``k`` of its normal numbers."""
-    info = jnp.finfo(dtype)
-    ints = jnp.int32 if info.bits == 32 else jnp.int64
-    return lax.bitcast_convert_type((k.astype(ints) + (info.maxexp - 1)) << info.nmant, dtype)
-
-
 def balanced(w, e_record, e_grad, dtype):
     """Per example, the factors (each a pair of `dtype` numbers, applied one after the other)
     of a bilinear site's record and output gradient whose product is `w`, chosen so that both
@@ -135,8 +122,7 @@ def balanced(w, e_record, e_grad, dtype):
     low, high = 2 * (info.minexp + 1), 2 * (info.maxexp - 2)  # (two halves, each normal)
     up = jnp.clip(ew + shift, low, high)
     down = jnp.clip(-shift, low, high)
-    pair = lambda k: (_power_of_two(k // 2, dtype), _power_of_two(k - k // 2, dtype))  # noqa: E731
-    (r1, r2), (g1, g2) = pair(up), pair(down)
+    (r1, r2), (g1, g2) = _factors.powers_of_two(up, dtype), _factors.powers_of_two(down, dtype)
     return (r1, r2 * mantissa), (g1, g2)
 
 
@@ -169,9 +155,9 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None, si
         record[0] = _times(record[0], on_record, depth)
         cotangent[0] = _times(cotangent[0], on_grad, depth)
     elif _weights_record(site, record, cotangent):
-        record[0] = _weighted(record[0], w, depth)
+        record[0] = _times(record[0], (w,), depth)
     else:
-        cotangent = [_weighted(g, w, depth) for g in cotangent]
+        cotangent = [_times(g, (w,), depth) for g in cotangent]
     if site.kind == "dense":
         (pos, _), (value,) = site.views[0], values
         cotangents = [_dense_view_sum(site.eqn, pos, value, record[0], cotangent[0], depth)]
