@@ -137,7 +137,7 @@ def _checked_without_cond(t):
 
 def _sums_without_cond(t, w, keep, finite, sides, spmd_axis_name=None):
     sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
-    return _sums.with_materialised(t, w, keep, sums, False)
+    return _sums.rounded(t, _sums.with_materialised(t, w, keep, sums, False))
 
 
 VARIANTS = {

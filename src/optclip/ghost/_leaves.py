@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _norm_rules
+from optclip import _checks, _norm_rules, _per_example
 from optclip.ghost import _factors, _interpret, _trace
 
 
@@ -148,10 +148,15 @@ def equation(site):
 
 
 def pull_back(site, leaves, cotangents):
-    """The views' cotangents of `site` carried back to their leaves (summed per leaf)."""
+    """The views' cotangents of `site` carried back to their leaves (summed per leaf), in
+    float32 for a float16 or bfloat16 leaf whose views keep its dtype (a scan's layers added
+    there, not in float16: an example's sum below float16's normal numbers lost a unit of its
+    last place at each); a view that converts the leaf's dtype takes its own."""
     out: dict = {}
     for (_, view), ct in zip(site.views, cotangents, strict=True):
-        (g,) = jax.linear_transpose(view.stacked, leaves[view.leaf])(ct)
+        source = leaves[view.leaf].astype(_per_example._work_dtype(leaves[view.leaf].dtype))
+        viewed = jax.eval_shape(view.stacked, source).dtype
+        (g,) = jax.linear_transpose(view.stacked, source)(ct.astype(viewed))
         out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
     return out
 

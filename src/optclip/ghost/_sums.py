@@ -182,7 +182,8 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     in the view's order where the view is the right operand (``x @ W``: no transpose). The
     VJP of the batched equation gives the same numbers, but puts the output gradient first
     and transposes the product after it, which XLA on the CPU ran 1.24x slower on the MLP's
-    first layer (``benchmarks/private_parts.py --products``)."""
+    first layer (``benchmarks/private_parts.py --products``). A float16 or bfloat16 view's
+    product comes out in float32 (`pull_back` adds its layers there)."""
     o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
@@ -204,18 +205,21 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     else:
         spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
         out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))
+    work = _per_example._work_dtype(value.dtype)
     out = lax.dot_general(
         record,
         cotangent,
         ((r_sum, c_sum), (r_batch, c_batch)),
         precision=eqn.params["precision"],
-        preferred_element_type=eqn.params["preferred_element_type"],
+        preferred_element_type=work
+        if work != value.dtype
+        else eqn.params["preferred_element_type"],
         out_sharding=out_sharding,
     )
     perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
     if perm != tuple(range(value.ndim)):
         out = jnp.transpose(out, perm)
-    return out.astype(value.dtype)
+    return out.astype(work)
 
 
 def _adjacent(dims: list) -> bool:
@@ -232,7 +236,9 @@ def _merged(x, summed: list, batch: list):
 
 
 def _ghost_sums(t, w, keep=None, spmd_axis_name=None, sides=None):
-    out = [jnp.zeros_like(leaf) for leaf in t.leaves]
+    """Every leaf's sum over its ghost sites, in leaf order, in float32 for a float16 or
+    bfloat16 leaf (`rounded` once, at the end of `clipped_sums`)."""
+    out = [jnp.zeros_like(leaf, _per_example._work_dtype(leaf.dtype)) for leaf in t.leaves]
     for site in _leaves.ghost_sites(t.plans).values():
         mine = None if sides is None else sides[site.id]
         parts = site_sum(site, t.leaves, t.records, t.grads, w, keep, spmd_axis_name, mine)
@@ -248,8 +254,8 @@ def _one_by_one(t, w, keep, sides):
     everything the sums read: the MLP at 256 took 1.20x the non-private step's memory with the
     materialised leaves' zeroed over the batch, 1.14x so); where the batch is split over a
     mesh (`Tapped.one_by_one`), the whole batch at once, zeroed. The examples' terms are added
-    in float32 for a float16 or bfloat16 leaf, rounded once at the end. Each bilinear site's
-    factor is shared between its sides (`balanced`)."""
+    in float32 for a float16 or bfloat16 leaf (`rounded` once by `clipped_sums`). Each
+    bilinear site's factor is shared between its sides (`balanced`)."""
     if not t.one_by_one:
         return with_materialised(t, w, keep, _ghost_sums(t, w, keep, None, sides), True)
 
@@ -262,14 +268,19 @@ def _one_by_one(t, w, keep, sides):
         return [a + p.astype(a.dtype) for a, p in zip(total, parts, strict=True)], None
 
     zeros = [jnp.zeros_like(leaf, _per_example._work_dtype(leaf.dtype)) for leaf in t.leaves]
-    total = lax.scan(step, zeros, jnp.arange(t.size))[0]
-    return [a.astype(leaf.dtype) for a, leaf in zip(total, t.leaves, strict=True)]
+    return lax.scan(step, zeros, jnp.arange(t.size))[0]
+
+
+def rounded(t, sums: list) -> list:
+    """`sums` (in leaf order, float32 for a float16 or bfloat16 leaf) in their leaves'
+    dtypes."""
+    return [s.astype(leaf.dtype) for s, leaf in zip(sums, t.leaves, strict=True)]
 
 
 def with_materialised(t, w, keep, out: list, zeroed: bool) -> list:
-    """`out` (every leaf's sum, in leaf order) with the materialised leaves' weighted sums of
-    their per-example gradients added (`_per_example._sums`; with `zeroed`, the examples not
-    kept zeroed first, `_per_example._zeroed_sums`)."""
+    """`out` (every leaf's sum, in leaf order, in its work dtype) with the materialised leaves'
+    weighted sums of their per-example gradients added (`_per_example._sums`; with `zeroed`,
+    the examples not kept zeroed first, `_per_example._zeroed_sums`)."""
     wanted = sorted(t.example_grads)
     grads = [t.example_grads[k] for k in wanted]
     if zeroed:
@@ -299,8 +310,8 @@ def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
     # example has a non-finite record) and every weighted side in its normal range (`unsafe`).
     clean = jnp.all(keep | finite) & ~jnp.any(unsafe(t, sides, w, keep & finite))
     if not _checks.is_traced(clean):
-        return plain() if bool(clean) else zeroed()
-    branched = lambda: lax.cond(clean, plain, zeroed)  # noqa: E731
+        return rounded(t, plain() if bool(clean) else zeroed())
+    branched = lambda: rounded(t, lax.cond(clean, plain, zeroed))  # noqa: E731
     if _leaves.reductions_only(t):
         # Every site reads one row per example (an MLP): off a CPU, the dropped examples are
         # zeroed in any case, at the price of a copy of those rows, rather than under a
@@ -309,7 +320,7 @@ def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
         # non-private step against 1.23x at batch 256).
         def always():
             sums = _ghost_sums(t, w, keep, spmd_axis_name, sides)
-            return with_materialised(t, w, keep, sums, True)
+            return rounded(t, with_materialised(t, w, keep, sums, True))
 
         return lax.platform_dependent(cpu=branched, default=always)
     return branched()
