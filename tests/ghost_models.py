@@ -8,6 +8,7 @@ default `keep_batch_dim=True`), written for any float dtype.
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 RTOL = 1e-5  # float32 rounding of a norm or a clipped sum, relative to the largest entry
 
@@ -216,6 +217,12 @@ def conv(rng, dtype=np.float32, batch=3):
 
     x = jnp.asarray(rng.normal(size=(batch, 7, 6, 2)), dtype)
     return loss, params, x
+
+
+def take_gpu_branches(patch):
+    """Every `lax.platform_dependent` traced while `patch` (a pytest `MonkeyPatch`) holds takes
+    its default branch, the GPU's: what a GPU runs, traced and run on this machine."""
+    patch.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
 
 
 def assert_tree_close(actual, expected, rtol=RTOL, whole=False):

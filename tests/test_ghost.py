@@ -218,7 +218,7 @@ def test_clipped_sums_exact_where_a_weighted_side_would_flush(model, monkeypatch
     for way in ("jit", "eager", "default"):
         with monkeypatch.context() as m:
             if way == "default":
-                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+                gm.take_gpu_branches(m)
             g = optclip.clipped_grad(loss, l2_clip_norm=1e-10, return_grad_norms=True)
             grads, aux = run(g, "eager" if way == "eager" else "jit")(params, x)
         np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
@@ -246,7 +246,7 @@ def test_unit_norm_factor_of_a_zero_gradient_beside_large_inputs_is_not_nan(monk
     for way in ("jit", "eager", "default"):
         with monkeypatch.context() as m:
             if way == "default":
-                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+                gm.take_gpu_branches(m)
             g = optclip.clipped_grad(
                 loss, l2_clip_norm=1e-35, rescale_to_unit_norm=True, return_grad_norms=True
             )
@@ -275,8 +275,6 @@ def test_clipped_sums_exact_at_every_balance_of_inputs_gradients_and_clip(
     # gradients at 2**gradient, clipped to 2**clip (and divided by it with `unit`): wherever
     # they are all normal numbers, and so is the clipped sum, the sum is float64's; the CPU's
     # way and the GPU's, jitted and eager.
-    from unittest import mock
-
     assume(abs(gradient - shift) <= 100 and (not unit or gradient - clip >= -60))
     loss, params, x = _large_inputs(rows, shift)
     scaled = lambda p, x: loss(p, x) * 2.0**gradient * 1e4  # noqa: E731
@@ -285,10 +283,9 @@ def test_clipped_sums_exact_at_every_balance_of_inputs_gradients_and_clip(
     g = optclip.clipped_grad(
         scaled, l2_clip_norm=c, rescale_to_unit_norm=unit, return_grad_norms=True
     )
-    platform = lax.platform_dependent
-    if gpu:
-        platform = lambda *a, default, **_: default(*a)  # noqa: E731
-    with mock.patch.object(lax, "platform_dependent", platform):
+    with pytest.MonkeyPatch.context() as m:
+        if gpu:
+            gm.take_gpu_branches(m)
         grads, aux = run(g, mode)(params, x)
     np.testing.assert_allclose(aux.grad_norms, norms, rtol=RTOL)
     assert_tree_close(grads, jax.tree.map(lambda s: s / c, sums) if unit else sums)
@@ -360,7 +357,7 @@ def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
     for way in ("cpu", "default", "checked"):
         with monkeypatch.context() as m:
             if way == "default":
-                m.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+                gm.take_gpu_branches(m)
             if way == "checked":
                 m.setattr(_leaves, "reductions_only", lambda t: False)
                 assert conditionals(*mlp, "cuda") == 2
@@ -579,7 +576,7 @@ def test_float16_sums_below_float16s_normal_numbers_are_rounded_once(way, monkey
     _, sums = gm.reference(loss, params, x, 1e-4)
     assert np.max(np.abs(sums["v"])) < float(jnp.finfo(jnp.float16).smallest_normal)
     if way == "gpu":
-        monkeypatch.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+        gm.take_gpu_branches(monkeypatch)
 
     def errors(method):
         g = optclip.clipped_grad(loss, l2_clip_norm=1e-4, method=method)
