@@ -14,6 +14,7 @@ Each ``loss(params, batch)`` takes a batch with a leading axis (``jax_privacy``'
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ def _block(x, p, heads: int):
     h = _layer_norm(x, p["ln1"])
     q, k, v = jnp.split(h @ p["qkv"], 3, axis=-1)
     q, k, v = (a.reshape(b, t, heads, d // heads) for a in (q, k, v))
-    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) / np.sqrt(d // heads)
+    logits = jnp.einsum("bqhc,bkhc->bhqk", q, k) / math.sqrt(d // heads)  # (keeps the dtype)
     causal = jnp.tril(jnp.ones((t, t), bool))
     weights = jax.nn.softmax(jnp.where(causal, logits, -1e9), axis=-1)
     attended = jnp.einsum("bhqk,bkhc->bqhc", weights, v).reshape(b, t, d)
@@ -124,6 +125,13 @@ def mlp_batch(shape: MLPShape, batch: int, seed: int = 1):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, shape.inputs)), jnp.float32)
     return x, jnp.asarray(rng.integers(0, shape.classes, batch), jnp.int32)
+
+
+def cast(tree, dtype):
+    """`tree` (parameters or a batch) with its floating-point arrays in `dtype` (token ids and
+    labels as they are)."""
+    floating = lambda x: jnp.issubdtype(x.dtype, jnp.floating)  # noqa: E731
+    return jax.tree.map(lambda x: x.astype(dtype) if floating(x) else x, tree)
 
 
 def parameter_count(params) -> int:

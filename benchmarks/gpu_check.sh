@@ -14,7 +14,7 @@
 #              and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
 #   mlpparts   the same on the MLP at 16 and 256, whose steps of a tenth of a millisecond
 #              count kernels and the `cond`s' branch decisions, after each part's compiled
-#              peak memory at 16, 64 and 256 (--memory);
+#              peak memory at 16, 64 and 256 (--memory; the ghost step's in bfloat16 too);
 #   kernels    private_parts.py --kernels: both steps' device time by source line, the
 #              transformer and the MLP at 256, with XLA's command buffers off (with them, a
 #              profile shows each CUDA graph as one event: no instruction is named).
@@ -73,6 +73,8 @@ for s in $steps; do
         mlpparts)
             limited 40 python3 benchmarks/private_parts.py --mlp --memory --batches 16 64 256 \
                 --json "$OUT/mlp_memory.json"
+            limited 40 python3 benchmarks/private_parts.py --mlp --memory --batches 16 64 256 \
+                --dtype bfloat16 --variants ghost --json "$OUT/mlp_memory_bf16.json"
             limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
                 --pairs 20 --json "$OUT/mlp_parts.json" ;;
         kernels)

@@ -7,6 +7,7 @@
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --flops [--mlp] [--batches 16 256]
     python benchmarks/private_parts.py --memory [--mlp] [--gpu-branches] [--batches 16 64 256]
+        [--dtype bfloat16]
     python benchmarks/private_parts.py --kernels [--mlp] [--batches 256] [--top 30]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
@@ -73,6 +74,10 @@ compiled for this machine (`private.peak_bytes`, as ``benchmarks/private.py`` me
 `lax.platform_dependent` choices made as on a GPU: what a GPU would run (the MLP's `cond`-free
 sums, one reduction per magnitude), compiled for this machine, an estimate of a GPU's step
 where none is lent (its memory is packed by the CPU's scheduler, not the GPU's).
+
+``--dtype bfloat16`` (or ``float16``) casts the model's parameters and floating-point inputs
+(timed, counted, sized or profiled; not with ``--grams`` or ``--products``): the ghost engine
+adds such leaves' sums in float32, and XLA on a CPU computes their products in float32.
 
 ``--kernels`` profiles the non-private step and the ghost step (`_kernels.by_line`: device
 time per call by the source line of each HLO instruction, a GPU's kernels summed per
@@ -373,6 +378,11 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
     ]
 
 
+def _cast_batches(make_batch, dtype):
+    """`make_batch` whose batches' floating-point inputs are in `dtype`."""
+    return lambda size: models.cast(make_batch(size), dtype)
+
+
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny transformer")
@@ -408,8 +418,16 @@ def main(argv=None) -> list[dict]:
         metavar="NAME",
         help="the variants timed or counted, by name (default: all)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the model's parameters and inputs in this dtype (default float32)",
+    )
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
+    if args.dtype != "float32" and (args.grams or args.products):
+        parser.error("--dtype casts the benchmark's model: not with --grams or --products")
     if args.kernels and (args.flops or args.memory or args.grams or args.products):
         parser.error(
             "--kernels profiles the two steps: not with --flops, --memory, --grams or --products"
@@ -442,7 +460,12 @@ def main(argv=None) -> list[dict]:
         loss, params = models.mlp_loss, models.mlp_params(mlp)
         make_batch = functools.partial(models.mlp_batch, mlp)
         batches = tuple(args.batches) if args.batches else (256,)
-    print(f"ghost step's parts: jax {jax.__version__}, {jax.devices()[0].platform}", flush=True)
+    params = models.cast(params, args.dtype)
+    make_batch = _cast_batches(make_batch, args.dtype)
+    print(
+        f"ghost step's parts: jax {jax.__version__}, {jax.devices()[0].platform}, {args.dtype}",
+        flush=True,
+    )
     rows: list[dict] = []
     for b in batches:
         if args.grams:

@@ -4,6 +4,7 @@ No timing is asserted: the machine is shared and noisy. Only the accuracy figure
 deterministic, are checked against the contract (float32 rounding for any leaf count).
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -409,6 +410,39 @@ def test_the_ghost_steps_memory_is_sized_variant_by_variant(tmp_path):
     refused("--memory", "--flops", why="--flops counts the steps' parts")
     refused("--kernels", "--memory", why="--kernels profiles the two steps")
     refused("--gpu-branches", "--products", why="--gpu-branches builds the ghost steps")
+
+
+@pytest.mark.slow
+def test_the_parts_benchmark_casts_the_model_to_the_dtype_asked(capsys):
+    """private_parts.py --dtype: the model's parameters and floating-point inputs in bfloat16
+    (token ids and labels as they are), the transformer's loss in bfloat16 too (its scale of
+    the attention logits once promoted it to float32); the MLP's steps sized in it: the
+    non-private step holds its bfloat16 parameters and gradients, less than in float32."""
+    parts = load("private_parts.py")
+    models = load("_private_models.py")
+    shape = models.TransformerShape(d=16, seq=4, vocab=11, blocks=2, heads=2)
+    params = models.cast(models.transformer_params(shape), jnp.bfloat16)
+    tokens = models.cast(models.transformer_batch(shape, 3), jnp.bfloat16)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+    assert tokens.dtype == jnp.int32
+    loss = functools.partial(models.transformer_loss, heads=2)
+    assert jax.eval_shape(loss, params, tokens).dtype == jnp.bfloat16
+    x, labels = models.cast(models.mlp_batch(models.MLPShape(), 4), jnp.float16)
+    assert (x.dtype, labels.dtype) == (jnp.float16, jnp.int32)
+    asked = ["--mlp", "--memory", "--batches", "8", "--variants", "ghost"]
+    peaks = {}
+    for dtype in ("float32", "bfloat16"):
+        rows = parts.main([*asked, "--dtype", dtype])
+        assert [(r["variant"], r["batch"]) for r in rows] == [
+            ("jax.grad (non-private)", 8),
+            ("ghost", 8),
+        ]
+        assert f"cpu, {dtype}" in capsys.readouterr().out or jax.default_backend() != "cpu"
+        peaks[dtype] = rows[0]["peak_bytes"]
+    assert peaks["bfloat16"] < peaks["float32"]
+    refused("--dtype", "bfloat16", "--grams", why="--dtype casts the benchmark's model")
+    refused("--dtype", "float16", "--products", why="--dtype casts the benchmark's model")
+    refused("--dtype", "float64", why="invalid choice: 'float64'")
 
 
 @pytest.mark.parametrize(
