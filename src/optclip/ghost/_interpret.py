@@ -64,9 +64,9 @@ class Tapped:
             if x.dtype == jnp.bfloat16:
                 # XLA on a CPU slices a bfloat16 array in float32: in a loop over the examples
                 # it hoisted a float32 copy of the whole array out of the loop. The array tied
-                # to `b` is not loop-invariant (the benchmark's MLP in bfloat16 at 256: 1.64x
-                # the non-private step's memory, 1.46x so; a float32 array is left alone: the
-                # barrier cost the float32 transformer 6% of its step's time at 16).
+                # to `b` is not loop-invariant (the benchmark's transformer in bfloat16 at 256:
+                # 1.20x the non-private step's memory, 1.05x so; a float32 array is left alone:
+                # the barrier cost the float32 transformer 6% of its step's time at 16).
                 x, at = lax.optimization_barrier((x, b))
                 return lax.dynamic_slice_in_dim(x, at, 1, axis=axis)
             return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)

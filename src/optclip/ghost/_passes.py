@@ -184,12 +184,15 @@ def tapped_pass(one, flat: Flat, s: Settings) -> _interpret.Tapped:
     (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     axes = {"records": record_axes, "grads": depth}  # where each one's examples are
-    records = row_major(records)
-    return _interpret.Tapped(losses, aux, records, grads, example_grads, plans, leaves, axes)
+    t = _interpret.Tapped(losses, aux, records, grads, example_grads, plans, leaves, axes)
+    if _sums.without_cond(t):  # (nothing asks the records for another layout)
+        return t
+    return dataclasses.replace(t, records=row_major(records))
 
 
 def row_major(records: dict) -> dict:
-    """`records`, those with an axis of length 1 pinned to the row-major layout on a CPU.
+    """`records`, those with an axis of length 1 pinned to the row-major layout on a CPU, for a
+    step with `cond`s (not `_sums.without_cond`).
 
     Where an axis has length 1, layouts that place it differently are the same bytes, and XLA's
     CPU layout assignment may give a record one of them (the batch's input ``(B, 1, 784)`` got
