@@ -673,18 +673,20 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loops_over_its_examples():
 
 
 @pytest.mark.every_case
-@pytest.mark.parametrize("model", ["mlp", "sequence"])
-def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model):
+@pytest.mark.parametrize(
+    "model, dtype", [("mlp", jnp.bfloat16), ("mlp", jnp.float16), ("sequence", jnp.bfloat16)]
+)
+def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtype):
     # With a dropped example whose gradient is not finite, the clipped sums of a sequence
     # model are taken one example after another (`_sums._one_by_one`), and those of an MLP in
-    # bfloat16 over the batch with the dropped example zeroed (`_sums.without_cond`, a CPU
-    # too): the terms are added in float32 and rounded once to bfloat16, as the batch's sums
-    # are (the materialising reference's). Against the float64 reference too (the examples
-    # kept, their sum rounded to bfloat16).
+    # bfloat16 or float16 over the batch with the dropped example zeroed
+    # (`_sums.without_cond`, a CPU too): the terms are added in float32 and rounded once to
+    # the leaf's dtype, as the batch's sums are (the materialising reference's). Against the
+    # float64 reference too (the examples kept, their sum rounded to the leaf's dtype).
     if model == "mlp":
-        loss, params, x = gm.mlp(np.random.default_rng(35), dtype=jnp.bfloat16, batch=256)
+        loss, params, x = gm.mlp(np.random.default_rng(35), dtype=dtype, batch=256)
     else:
-        loss, params, x = gm.sequence(np.random.default_rng(35), dtype=jnp.bfloat16, batch=64)
+        loss, params, x = gm.sequence(np.random.default_rng(35), dtype=dtype, batch=64)
     bad = x.at[3, 0].set(np.inf)
     kept = np.delete(np.arange(x.shape[0]), 3)
     _, reference = gm.reference(loss, params, x[kept], 1e3)
