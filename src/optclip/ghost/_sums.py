@@ -331,12 +331,19 @@ def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
 def without_cond(t) -> bool:
     """Whether the clipped sums zero the dropped examples in every step on a CPU as well (as
     off a CPU, `clipped_sums`): where every norm is a reduction (`_leaves.reductions_only`) and
-    every record and output gradient of the ghost sites is float16 or bfloat16. XLA on a CPU
-    multiplies those in float32, and the `cond`'s plain branch held float32 copies of every
+    every record and output gradient of the ghost sites is narrower than the dtype it is
+    contracted in (`_per_example._work_dtype`: float16, bfloat16). XLA on a CPU multiplies
+    those in float32, and the `cond`'s plain branch held float32 copies of every
     product's operands at once: the benchmark's MLP in bfloat16 at 256 took 1.46x the
     non-private step's memory and 1.17x its time with the `cond`, 1.17x and 1.10x without
     (in float16 1.24x and 1.17x, 0.97x and 1.15x). The step then has no `cond`: its records
     are not pinned either (`_passes.row_major`)."""
     arrays = [*t.records.values(), *(g for gs in t.grads.values() for g in gs)]
-    narrow = bool(arrays) and all(a.dtype in (jnp.float16, jnp.bfloat16) for a in arrays)
+    narrow = bool(arrays) and all(_narrower(a.dtype) for a in arrays)
     return narrow and _leaves.reductions_only(t)
+
+
+def _narrower(dtype) -> bool:
+    """Whether `dtype` is inexact and narrower than the dtype it is contracted in (an
+    embedding's record, its ids, is not)."""
+    return jnp.issubdtype(dtype, jnp.inexact) and _per_example._work_dtype(dtype) != dtype
