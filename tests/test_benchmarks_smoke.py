@@ -168,6 +168,25 @@ def test_private_benchmark_runs_the_methods_and_batches_asked_for(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_frozen_embedding_benchmark_sizes_every_method(tmp_path):
+    """benchmarks/private_frozen.py --quick: each method's compiled memory at the batch asked
+    for, as a ratio to the non-private step; the ghost step forms no per-example copy of the
+    frozen table, which the materialising `vmap` step does."""
+    rows = run_private(tmp_path, "--quick", "--batches", "4", script="private_frozen.py")
+    by = {r["method"]: r for r in rows}
+    assert set(by) == {
+        "jax.grad (non-private)",
+        "optclip.clipped_grad",
+        "jax_privacy.clipped_grad",
+        "vmap(grad) + per_example_clip",
+    }
+    assert {r["batch"] for r in rows} == {4} and by["jax.grad (non-private)"]["ratio"] == 1.0
+    assert (
+        by["optclip.clipped_grad"]["peak_bytes"] < by["vmap(grad) + per_example_clip"]["peak_bytes"]
+    )
+
+
+@pytest.mark.slow
 def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
     out, and with its norms batched and unchecked (the script checks each variant's norms),

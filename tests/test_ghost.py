@@ -930,6 +930,89 @@ def test_report_names_each_leaf_and_why():
     assert "['w']" in str(report)
 
 
+def _no_gradient_models(rng):
+    """Losses that use a parameter where no gradient flows back, beside the dense uses that
+    make its per-example gradient worth not forming: ``{name: (loss, has_aux, modes)}``, where
+    `modes` are the ghost report's modes of the leaves `u` (dense, and also used where no
+    gradient flows) and `e` (only used there)."""
+    params = {
+        "w": jnp.asarray(rng.normal(size=(4, 3)) * 0.5, jnp.float32),
+        "u": jnp.asarray(rng.normal(size=(3, 3)) * 0.5, jnp.float32),
+        "e": jnp.asarray(rng.normal(size=(6, 3)), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(5, 2, 4)), jnp.float32)
+
+    def frozen(p, x):  # a frozen table: stop_gradient
+        h = jnp.tanh(x @ p["w"]) @ lax.stop_gradient(p["e"]).T
+        return jnp.sum(h**2) + jnp.sum(h[..., :3] @ p["u"])
+
+    def aux(p, x):  # a weight-decay term logged in `has_aux`'s output only
+        h = jnp.tanh(x @ p["w"]) @ p["u"]
+        return jnp.sum(h**2), {"decay": jnp.sum(p["u"] ** 2) + jnp.sum(p["e"] ** 2)}
+
+    def tests(p, x):  # comparisons, a sign, an argmax, a rounding
+        h = jnp.tanh(x @ p["w"])
+        h = jnp.where(jnp.sum(p["u"]) > 0, h @ p["u"], h) * jnp.sign(p["e"][0])
+        return jnp.sum(h**2) + jnp.sum(h * jnp.argmax(p["e"], axis=0) * jnp.round(p["e"][1]))
+
+    @jax.jit
+    def pair(u, e):  # a nested call with one output the gradient reaches
+        return u.T, jnp.sum(e) + jnp.sum(u)
+
+    def called(p, x):
+        u, total = pair(p["u"], p["e"])
+        h = jnp.tanh(x @ p["w"]) @ u.T
+        return jnp.sum(jnp.where(total > 0, h, -h) ** 2)
+
+    def scanned(p, x):  # a carry fed back to the loss through a later step; one that is not
+        def step(carry, _):
+            h, s, n = carry
+            h2 = jnp.tanh(h @ p["u"]) + s
+            return (h2, s @ p["u"], n @ lax.stop_gradient(p["e"]).T[:, :3] + n), h2
+
+        zeros = jnp.zeros(x.shape[:-1] + (3,))
+        start = (jnp.tanh(x @ p["w"]), zeros + 0.1, zeros[..., :6] + 1.0)
+        (_, _, n), hs = lax.scan(step, start, None, length=3)
+        return jnp.sum(hs**2), jnp.sum(n)
+
+    ghost, unused = "ghost", "unused"
+    models = {
+        "frozen": (frozen, False, (ghost, unused)),
+        "aux": (aux, True, (ghost, unused)),
+        "tests": (tests, False, (ghost, unused)),
+        "called": (called, False, (ghost, unused)),
+        "scanned": (scanned, True, (ghost, unused)),
+    }
+    return models, params, x
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", ["frozen", "aux", "tests", "called", "scanned"])
+def test_a_use_no_gradient_flows_back_from_is_no_site(name, mode):
+    # A parameter used only where no gradient flows back to it (`stop_gradient`, comparisons,
+    # `sign`, `argmax`, `round`, an output of a nested call the loss does not use, `has_aux`'s
+    # outputs) has a zero gradient: it is `unused`, no per-example copy of it is formed (a
+    # frozen embedding's would be a table per example), and a leaf used there and by a dense
+    # layer stays ghost. Inside a scan, a carry the loss reads only through a later step
+    # (`s`) is reached: `u`'s use on it counts.
+    models, params, x = _no_gradient_models(np.random.default_rng(41))
+    loss, has_aux, modes = models[name]
+    report = optclip.ghost_report(loss, params, x, has_aux=has_aux)
+    assert (report["['u']"].mode, report["['e']"].mode) == modes, str(report)
+    assert report["['w']"].mode == "ghost"
+    assert "no gradient reaches it" in report["['e']"].reason
+    value = (lambda p, x: loss(p, x)[0]) if has_aux else loss
+    g = optclip.clipped_grad(loss, has_aux=has_aux, l2_clip_norm=0.5, return_grad_norms=True)
+    out, aux = run(g, mode)(params, x)
+    norms, sums = gm.reference(value, params, x, 0.5)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    assert_tree_close(out, sums)
+    assert np.all(np.asarray(out["e"]) == 0)
+    if has_aux:  # the auxiliary outputs are those of the materialising way
+        v = optclip.clipped_grad(loss, has_aux=True, l2_clip_norm=0.5, method="vmap")
+        assert_tree_close(run(g, mode)(params, x)[1].aux, run(v, mode)(params, x)[1].aux)
+
+
 def test_arguments_are_checked():
     loss = lambda w, x: jnp.sum(x * w)  # noqa: E731
     with pytest.raises(ValueError, match="`argnums` .* share"):
@@ -1024,6 +1107,100 @@ def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitu
         _leaves.LOOP_WORK = loop_work
 
 
+def _shared_models(rng):
+    """Losses with a site whose operands are the same for every example (its output shared by
+    the batch under `jax.vmap`): ``{name: (loss, params, x)}``."""
+    t, d, vocab = 4, 3, 7
+    ids = jnp.asarray(rng.integers(0, vocab, size=(5, t)))
+    tables = {
+        "tok": jnp.asarray(rng.normal(size=(vocab, d)), jnp.float32),
+        "pos": jnp.asarray(rng.normal(size=(t, d)), jnp.float32),
+        "out": jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32),
+    }
+
+    def positions(p, ids):  # learned positions, looked up as GPT-2 does
+        h = p["tok"][ids] + p["pos"][jnp.arange(ids.shape[-1])]
+        return jnp.sum(jax.nn.log_softmax(jnp.tanh(h) @ p["out"])[..., 0])
+
+    dense = {
+        "w": jnp.asarray(rng.normal(size=(4, 3)) * 0.5, jnp.float32),
+        "u": jnp.asarray(rng.normal(size=(3, 3)) * 0.5, jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(5, 2, 4)), jnp.float32)
+
+    def constant(p, x):  # a dense layer applied to a constant, and the same layer to h
+        h = jnp.tanh(x @ p["w"])
+        c = jnp.arange(6.0).reshape(h.shape) / 6
+        return jnp.sum((jnp.tanh(h @ p["u"]) + c @ p["u"]) ** 2)
+
+    def carried(p, x):  # a scan's carry the same for every example, fed through `u`
+        def step(carry, _):
+            h, s = carry
+            h = jnp.tanh(h @ p["u"]) + s
+            return (h, s @ p["u"]), h
+
+        start = (jnp.tanh(x @ p["w"]), jnp.full(x.shape[:-1] + (3,), 0.1))
+        return jnp.sum(lax.scan(step, start, None, length=3)[1] ** 2)
+
+    @jax.custom_jvp
+    def twice(h, c):
+        return 2 * h, 2 * c
+
+    twice.defjvp(lambda primals, tangents: (twice(*primals), twice(*tangents)))
+
+    def through(p, x, how):  # an operation given h and a constant c returns c's share apart
+        h = jnp.tanh(x @ p["w"])
+        c = jnp.full(h.shape, 0.1)
+        if how == "cond":  # (its index the same for every example)
+            h, c = lax.cond(x.shape[0] > 0, lambda h, c: (h, 2 * c), lambda h, c: (-h, c), h, c)
+        elif how == "custom_jvp":
+            h, c = twice(h, c)
+        else:  # a while loop (no gradient through it: JAX has no reverse mode of one)
+            _, n, c = lax.while_loop(
+                lambda s: s[0] < 2,
+                lambda s: (s[0] + 1, 0.5 * s[1], s[2] + 1),
+                (0, lax.stop_gradient(h), c),
+            )
+            h = h + n
+        return jnp.sum((jnp.tanh(h @ p["u"]) + c @ p["u"]) ** 2)
+
+    return {
+        "positions": (positions, tables, ids),
+        "constant": (constant, dense, x),
+        "carried": (carried, dense, x),
+        **{
+            how: (functools.partial(through, how=how), dense, x)
+            for how in ("cond", "custom_jvp", "while")
+        },
+    }
+
+
+@pytest.mark.parametrize("way", ["jit", "eager", "gpu"])
+@pytest.mark.parametrize(
+    "name", ["positions", "constant", "carried", "cond", "custom_jvp", "while"]
+)
+def test_a_site_shared_by_the_batch_has_each_examples_output_gradient(name, way, monkeypatch):
+    # Where a site's operands are the same for every example (positions looked up at
+    # `jnp.arange(T)`, a dense layer applied to a constant, a scan's carry that no example
+    # changes, a constant passed through a `cond`, a custom derivative or a `while` beside
+    # the example's values), `jax.vmap` shares its output across the batch, and its gradient
+    # was every example's summed: each example's norm and clipped sum were wrong (the
+    # positions' sum by 4x) with no error. Also with an example dropped for a non-finite
+    # input (the sums one example at a time).
+    if way == "gpu":
+        gm.take_gpu_branches(monkeypatch)
+    loss, params, x = _shared_models(np.random.default_rng(43))[name]
+    assert all(r.mode == "ghost" for r in optclip.ghost_report(loss, params, x).values())
+    check_against_reference(loss, params, x, 0.5, mode="eager" if way == "eager" else "jit")
+    if name == "positions":
+        return
+    g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+    grads, aux = run(g, "eager" if way == "eager" else "jit")(params, x.at[1, 0, 0].set(jnp.inf))
+    assert not np.isfinite(aux.grad_norms[1])
+    _, sums = gm.reference(loss, params, np.delete(np.asarray(x), 1, axis=0), 0.5)
+    assert_tree_close(grads, sums)
+
+
 def _check_random_model(loss, params, ids, clip, magnitude):
     # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
     # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
@@ -1078,7 +1255,7 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
     # jax 0.10 gives a `scan` its numbers of consts and carries (`num_consts`, `num_carry`);
     # jax 0.11 packs its operands' three parts (consts, carries, scanned inputs) in `ft_in`.
     # Both are read; any other layout is refused by name, never misread.
-    from optclip.ghost import _trace
+    from optclip.ghost import _jaxprs
 
     w = jnp.arange(3.0)
 
@@ -1087,14 +1264,14 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
 
     jaxpr = jax.make_jaxpr(f)(jnp.ones(3), jnp.ones((4, 3)))
     eqn = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
-    assert _trace.scan_counts(eqn) == (1, 1)
+    assert _jaxprs.scan_counts(eqn) == (1, 1)
 
     class Parts:  # jax 0.11's `ft_in` (a FlatTree), as far as it is read
         def unpack(self):
             return ([None] * 2, [None] * 3, [None])
 
     bare = {k: v for k, v in eqn.params.items() if k not in ("num_consts", "num_carry", "ft_in")}
-    assert _trace.scan_counts(eqn.replace(params={**bare, "ft_in": Parts()})) == (2, 3)
+    assert _jaxprs.scan_counts(eqn.replace(params={**bare, "ft_in": Parts()})) == (2, 3)
 
     class Unpackable:  # an `ft_in` that is not a pack (JAX asserts)
         def unpack(self):
@@ -1110,7 +1287,7 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
             match=r"does not know the parameters of this JAX's \(.*\) `scan` "
             r"\((ft_in, )?jaxpr, length, ",
         ):
-            _trace.scan_counts(eqn.replace(params=params))
+            _jaxprs.scan_counts(eqn.replace(params=params))
 
 
 def test_the_private_step_keeps_the_models_source_lines():

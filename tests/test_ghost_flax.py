@@ -1,5 +1,6 @@
-"""`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not), LayerNorm,
-RMSNorm, attention, Conv; ghost where the layer allows, and equal to the float64 reference."""
+"""`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not; learned positions,
+looked up at ``jnp.arange(T)`` as GPT-2 does), LayerNorm, RMSNorm, attention, Conv; ghost where
+the layer allows, and equal to the float64 reference."""
 
 import ghost_models as gm
 import jax
@@ -17,7 +18,7 @@ class LinenModel(linen.Module):
     @linen.compact
     def __call__(self, ids):
         embed = linen.Embed(VOCAB, D)
-        h = embed(ids)
+        h = embed(ids) + linen.Embed(T, D, name="positions")(jnp.arange(ids.shape[-1]))
         h = linen.LayerNorm()(h)
         h = h + linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(h)
         h = linen.RMSNorm()(h)
@@ -29,12 +30,14 @@ class LinenModel(linen.Module):
 class NNXModel(nnx.Module):
     def __init__(self, rngs):
         self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
+        self.positions = nnx.Embed(T, D, rngs=rngs)
         self.norm = nnx.LayerNorm(D, rngs=rngs)
         self.dense = nnx.Linear(D, D, rngs=rngs)
         self.out = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, ids):
-        return self.out(jax.nn.relu(self.dense(self.norm(self.embed(ids)))))
+        h = self.embed(ids) + self.positions(jnp.arange(ids.shape[-1]))
+        return self.out(jax.nn.relu(self.dense(self.norm(h))))
 
 
 def cross_entropy(logits, ids):

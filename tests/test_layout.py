@@ -40,6 +40,7 @@ LAYERS = [
     # public names; nothing outside it imports it but `__init__`.
     ["ghost.__init__"],  # its docstring: the engine's map
     ["ghost._args"],  # `clipped_grad`'s arguments (jax_privacy's conventions), checked
+    ["ghost._jaxprs"],  # reading the loss's jaxpr: calls, scans, where the gradient flows
     ["ghost._trace"],  # where the parameters are used: views, sites, plans (jaxpr walk)
     ["ghost._interpret"],  # the per-example loss evaluated with taps at the sites
     ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms

@@ -125,7 +125,9 @@ def clipped_grad(
     included; nested ``jit``, ``checkpoint`` and ``lax.scan`` (stacked layers, weights shared
     across steps) are seen through. A parameter used by any other operation (a bias, a scale,
     ``sin(w)``, a ``cond``...) has its per-example gradient materialised, that leaf only: the
-    backward pass gives it, each example having its own copy of that leaf. The clipped sum
+    backward pass gives it, each example having its own copy of that leaf. A use no gradient
+    flows back through (``lax.stop_gradient``, a comparison, ``has_aux``'s outputs) is none:
+    a frozen table costs nothing per example. The clipped sum
     comes from the same inputs and output gradients, each example's weighted by its factor
     (book-keeping: no second backward pass). ``method="vmap"``
     materialises every per-example gradient (``jax.vmap(jax.grad(...))``) and clips it with

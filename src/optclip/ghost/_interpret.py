@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import layout
 from jax.extend import core as jcore
 
-from optclip.ghost import _trace
+from optclip.ghost import _jaxprs, _trace
 
 try:  # (no public way to bind under an equation's source line; without it, none is kept)
     from jax._src import source_info_util
@@ -150,7 +150,7 @@ def _broadcast(site) -> bool:
     implicitly (size-1 dimensions: a scale's ``(1, 1, d)`` against ``(1, T, d)``)."""
     eqn = site.eqn
     shape = eqn.outvars[0].aval.shape
-    floats = all(_trace.is_float(v) for v in eqn.invars)
+    floats = all(_jaxprs.is_float(v) for v in eqn.invars)
     wide = any(eqn.invars[pos].aval.shape != shape for pos, _ in site.views)
     return eqn.primitive.name in _trace.ELEMENTWISE and floats and wide
 
@@ -252,7 +252,8 @@ def run(jaxpr, consts, args, plan, taps, records):
                 for key, i in zip(site.records, recorded_positions(site), strict=True):
                     records[key] = invals[i]
                 for t, j in zip(taps[site.id], float_outputs(eqn), strict=True):
-                    outs[j] = tap(outs[j], t)
+                    # (an output shared by the batch, `Site.batched`, made each example's)
+                    outs[j] = tap(outs[j], t) if site.batched else outs[j] + t
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
@@ -264,7 +265,7 @@ def _scan(eqn, subplan, invals, taps, records):
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
     params = eqn.params
     body = params["jaxpr"]
-    consts, carry = _trace.scan_counts(eqn)
+    consts, carry = _jaxprs.scan_counts(eqn)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def step(state, x):
@@ -290,8 +291,8 @@ def _call(eqn, subplan, invals, taps, records):
     """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
     if eqn.primitive.name == "scan":
         return _scan(eqn, subplan, invals, taps, records)
-    jaxpr, consts = _trace.sub_jaxpr(eqn)
-    if eqn.primitive.name not in _trace.REMATS:
+    jaxpr, consts = _jaxprs.sub_jaxpr(eqn)
+    if eqn.primitive.name not in _jaxprs.REMATS:
         return run(jaxpr, consts, invals, subplan, taps, records)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 

@@ -49,7 +49,8 @@ def plan_leaves(sites, count: int):
 
 def _leaf_plan(uses) -> LeafPlan:
     if not uses:
-        return LeafPlan("unused", [], [], "not used by the loss (zero gradient)")
+        why = "no gradient reaches it (not used, or only where none flows back): zero gradient"
+        return LeafPlan("unused", [], [], why)
     others = [site for site, _, _ in uses if site.kind == "fallback"]
     if not others and len(uses) > 1 and any(site.kind == "conv" for site, _, _ in uses):
         why = "a convolution kernel used more than once (no closed cross term written)"

@@ -151,6 +151,8 @@ def tapped_pass(one, flat: Flat, s: Settings) -> _interpret.Tapped:
     leaves = [flat.leaves[i] for i in where]
     plans = _leaves.plan_leaves(list(plan.all_sites()), len(leaves))
     sites = _leaves.ghost_sites(plans)
+    own = {where[k] for k in _leaves.materialised(plans)}  # (each example's copy, `deltas`)
+    _trace.mark_batched(plan, closed.jaxpr, [b or i in own for i, b in enumerate(flat.batched)])
     first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
     depth = {i: len(site.stack) for i, site in sites.items()}
     taps = {

@@ -3,8 +3,10 @@
 A *view* of a parameter leaf is the leaf after linear, shape-only operations (a dtype
 conversion, reshape, transpose, broadcast, squeeze, copy), kept as the chain of those operations
 so that a gradient can be pulled back through them. Every other equation with a view among its
-operands is a *site*: its output gets a tap, its other operands are recorded, and its
-per-example gradient (or only that gradient's norm) is computed from them. A site is
+operands that passes the loss's gradient back to them (`_jaxprs.flows`: not a
+``stop_gradient``, a comparison, or a value only ``has_aux``'s outputs read) is a *site*: its
+output gets a tap, its other operands are recorded, and its per-example gradient (or only
+that gradient's norm) is computed from them. A site is
 
 * ``"dense"``: `dot_general` with one view operand reached through dtype conversions and
   transposes (dense layers, einsums with sequence and head dimensions);
@@ -26,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jcore
 
+from optclip.ghost import _jaxprs
+
 VIEW_PRIMITIVES = frozenset(
     {
         "convert_element_type",
@@ -42,8 +46,6 @@ VIEW_PRIMITIVES = frozenset(
 # Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
 PLAIN_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p"})
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
-CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-REMATS = frozenset({"remat2", "checkpoint", "remat"})
 SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
 
 
@@ -144,6 +146,7 @@ class Site:
     layout: tuple | None = None
     stack: tuple = ()  # the lengths of the scans it is inside, outermost first
     records: tuple = ()  # the keys of its recorded operands (shared by sites that record one)
+    batched: bool = True  # whether its operands differ between examples (`mark_batched`)
 
 
 @dataclasses.dataclass
@@ -159,65 +162,30 @@ class Plan:
             yield from sub.all_sites()
 
 
-def sub_jaxpr(eqn):
-    """The ``(jaxpr, consts)`` of a call or rematerialised block walked into, else None."""
-    name = eqn.primitive.name
-    if name in CALLS and CALLS[name] in eqn.params:
-        inner = eqn.params[CALLS[name]]
-    elif name in REMATS and "jaxpr" in eqn.params:
-        inner = eqn.params["jaxpr"]
-    else:
-        return None
-    if isinstance(inner, jcore.ClosedJaxpr):
-        return inner.jaxpr, inner.consts
-    return inner, ()
-
-
-def scan_counts(eqn) -> tuple[int, int]:
-    """A `scan`'s numbers of consts and of carries, which lead its operands and its body's
-    inputs: its ``num_consts`` and ``num_carry`` (jax 0.10), or the sizes of the first two of
-    the three parts of its ``ft_in`` (jax 0.11: consts, carries, scanned inputs)."""
-    params = eqn.params
-    if "num_consts" in params and "num_carry" in params:
-        return params["num_consts"], params["num_carry"]
-    try:
-        parts = params["ft_in"].unpack()
-        if len(parts) == 3:
-            return len(parts[0]), len(parts[1])
-    except Exception:  # noqa: BLE001 - none, or not three parts: refused below, by name
-        pass
-    raise NotImplementedError(
-        f"clipped_grad does not know the parameters of this JAX's ({jax.__version__}) `scan` "
-        f"({', '.join(sorted(params))}): where its consts and carries are is not known"
-    )
-
-
-def is_float(var) -> bool:
-    dtype = getattr(var.aval, "dtype", None)
-    return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
-
-
-def analyse(jaxpr, views: dict, ids=None):
-    """The `Plan` of `jaxpr` given the views among its input variables, and the views among
-    its outputs (``{output index: View}``)."""
+def analyse(jaxpr, views: dict, live_out, ids=None):
+    """The `Plan` of `jaxpr` given the views among its input variables and the indices of its
+    outputs the loss's gradient starts from (`live_out`), and the views among those outputs
+    (``{output index: View}``). An equation that passes no gradient back to its operands
+    (`_jaxprs.flows`) is neither a view nor a site."""
     ids = itertools.count() if ids is None else ids
     views = dict(views)
     plan = Plan()
     keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
+    reach = _jaxprs.flows(jaxpr, live_out)
     for index, eqn in enumerate(jaxpr.eqns):
         used = tuple(
             (pos, views[v])
             for pos, v in enumerate(eqn.invars)
             if isinstance(v, jcore.Var) and v in views
         )
-        if not used:
+        if not used or index not in reach:
             continue
         name = eqn.primitive.name
-        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and is_float(eqn.outvars[0]):
+        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _jaxprs.is_float(eqn.outvars[0]):
             views[eqn.outvars[0]] = used[0][1].then(eqn)
             continue
         if name == "scan":
-            subplan = _scan(eqn, used, ids)
+            subplan = _scan(eqn, used, reach[index], ids)
             if subplan is not None:
                 plan.subplans[index] = subplan
                 continue
@@ -225,10 +193,10 @@ def analyse(jaxpr, views: dict, ids=None):
                 next(ids), eqn, used, "carries a parameter or returns a view of one"
             )
             continue
-        inner = sub_jaxpr(eqn)
+        inner = _jaxprs.sub_jaxpr(eqn)
         if inner is not None:
             sub_views = {inner[0].invars[pos]: view for pos, view in used}
-            subplan, out_views = analyse(inner[0], sub_views, ids)
+            subplan, out_views = analyse(inner[0], sub_views, reach[index], ids)
             if subplan.sites or subplan.subplans:
                 plan.subplans[index] = subplan
             for i, view in out_views.items():
@@ -241,21 +209,40 @@ def analyse(jaxpr, views: dict, ids=None):
             if i not in {pos for pos, _ in used}
         )
     out_views = {
-        i: views[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jcore.Var) and v in views
+        i: views[v]
+        for i, v in enumerate(jaxpr.outvars)
+        if i in live_out and isinstance(v, jcore.Var) and v in views
     }
     return plan, out_views
 
 
-def _scan(eqn, used, ids):
+def mark_batched(plan: Plan, jaxpr, batched_in) -> None:
+    """Sets each site's `batched`: False where none of its operands differs between examples
+    (`_jaxprs.batched`, given which inputs of `jaxpr` do, `batched_in`): a lookup of positions
+    ``table[jnp.arange(T)]``, a dense layer applied to a constant. Under `jax.vmap` its output
+    is then one value shared by the batch, whose gradient is the sum of every example's:
+    `_interpret.run` makes that output differ between examples (its tap added), so that each
+    example's output gradient is its own."""
+    varying, bodies = _jaxprs.batched(jaxpr, batched_in)
+    for site in plan.sites.values():
+        site.batched = any(isinstance(v, jcore.Var) and v in varying for v in site.eqn.invars)
+    for index, subplan in plan.subplans.items():
+        eqn = jaxpr.eqns[index]
+        body = _jaxprs.inner_jaxpr(eqn)
+        mark_batched(subplan, body, bodies.get(index, [False] * len(body.invars)))
+
+
+def _scan(eqn, used, live_out, ids):
     """The plan of a `scan`'s body (its sites stacked along the scan), or None when a
-    parameter view is carried or returned (its gradient would not pass through a site)."""
+    parameter view is carried or returned (its gradient would not pass through a site);
+    `live_out`: the body's outputs the gradient reaches."""
     body = eqn.params["jaxpr"].jaxpr
-    consts, carry = scan_counts(eqn)
+    consts, carry = _jaxprs.scan_counts(eqn)
     length = eqn.params["length"]
     if any(consts <= pos < consts + carry for pos, _ in used):
         return None
     inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
-    subplan, out_views = analyse(body, inner, ids)
+    subplan, out_views = analyse(body, inner, live_out, ids)
     if out_views:
         return None
     for site in subplan.all_sites():
@@ -382,5 +369,5 @@ def trace(fun, args, param_mask):
         if is_param:
             views[var] = View(leaf, tuple(var.aval.shape))
             leaf += 1
-    plan, _ = analyse(jaxpr, views)
+    plan, _ = analyse(jaxpr, views, {0})  # (the loss; `has_aux`'s outputs follow it)
     return closed, out_shape, plan

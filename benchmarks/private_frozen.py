@@ -1,0 +1,90 @@
+"""Private fine-tuning with a frozen embedding: memory of each per-example clipping method.
+
+    python benchmarks/private_frozen.py [--quick] [--batches 16 64] [--json out.json]
+
+A language model whose token embedding is frozen (``lax.stop_gradient(table)``, vocabulary
+8192, d=256) and tied to its output, with learned positions looked up at ``jnp.arange(T)``
+(T=32) and a trainable dense layer: what fine-tuning a pretrained model's upper layers with
+DP-SGD looks like. Side by side in one process, XLA's compiled memory analysis of each jitted
+step (arguments + outputs + temporaries, less what outputs alias; no run), as a ratio to the
+non-private step: ``optclip.clipped_grad`` (the frozen table's uses pass no gradient back: no
+per-example copy of it), ``jax_privacy.clipped_grad`` and ``jax.vmap(jax.grad)`` +
+``per_example_clip`` (each forms the table's per-example gradients, zeros), as
+``benchmarks/private.py`` runs them (jax_privacy in microbatches past ``--budget-gib``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _private_models as models  # noqa: E402
+import private  # noqa: E402
+
+
+def frozen_model(vocab: int, d: int, seq: int, seed: int = 0):
+    """``(loss, params)``: a frozen tied embedding, learned positions, one dense layer."""
+    rng = np.random.default_rng(seed)
+    params = {
+        "embed": jnp.asarray(rng.normal(size=(vocab, d)) * 0.02, jnp.float32),
+        "positions": jnp.asarray(rng.normal(size=(seq, d)) * 0.02, jnp.float32),
+        "dense": jnp.asarray(rng.normal(size=(d, d)) / np.sqrt(d), jnp.float32),
+    }
+
+    def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
+        table = lax.stop_gradient(p["embed"])
+        h = table[ids] + p["positions"][jnp.arange(ids.shape[-1])]
+        logits = jnp.tanh(h @ p["dense"]) @ table.T
+        logp = jax.nn.log_softmax(logits[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    return loss, params
+
+
+def measure(batches, quick: bool, budget_gib: float) -> list[dict]:
+    vocab, d, seq = (64, 8, 6) if quick else (8192, 256, 32)
+    loss, params = frozen_model(vocab, d, seq)
+    n_params = models.parameter_count(params)
+    rows = []
+    for size in batches:
+        ids = jnp.asarray(np.random.default_rng(size).integers(0, vocab, size=(size, seq)))
+        made = private.contenders(loss, size, n_params, budget_gib * 2**30)
+        base = None
+        for name, (step, note) in made.items():
+            peak = private.peak_bytes(jax.jit(step).lower(params, ids).compile())
+            base = peak if base is None else base
+            rows.append(
+                dict(method=name, batch=size, peak_bytes=peak, ratio=peak / base, note=note)
+            )
+    return rows
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model")
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--budget-gib", type=float, default=4.0)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = measure(args.batches, args.quick, args.budget_gib)
+    print(f"frozen embedding, memory: jax {jax.__version__}, {jax.default_backend()}")
+    for r in rows:
+        note = f"  ({r['note']})" if r["note"] else ""
+        print(
+            f"batch {r['batch']:4d}  {r['method']:32s} {r['peak_bytes'] / 2**20:10.1f} MiB"
+            f"  x {r['ratio']:.3f}{note}"
+        )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
