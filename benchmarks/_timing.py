@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,19 @@ def count(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
+
+
+def gib(text: str) -> float:
+    """An argparse type for the scripts' memory limits (``--budget-gib``): a finite number of
+    GiB above 0 (0 would size jax_privacy's microbatches at nothing and fail deep inside a
+    step)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of GiB above 0, got {text!r}")
     return value
 
 

@@ -262,8 +262,8 @@ def main(argv=None) -> list[dict]:
     parser.add_argument(
         "--pairs", type=_timing.count, default=None, help="timing rounds (default 5)"
     )
-    parser.add_argument("--budget-gib", type=float, default=4.0)
-    parser.add_argument("--run-limit-gib", type=float, default=12.0)
+    parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
+    parser.add_argument("--run-limit-gib", type=_timing.gib, default=12.0)
     parser.add_argument("--only", choices=["transformer", "mlp"], default=None)
     parser.add_argument(
         "--batches", type=_timing.count, nargs="+", default=None, help="batch sizes"

@@ -27,6 +27,7 @@ from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models as models  # noqa: E402
+import _timing  # noqa: E402
 import private  # noqa: E402
 
 
@@ -70,8 +71,8 @@ def measure(batches, quick: bool, budget_gib: float) -> list[dict]:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model")
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
-    parser.add_argument("--budget-gib", type=float, default=4.0)
+    parser.add_argument("--batches", type=_timing.count, nargs="+", default=[16, 64])
+    parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = measure(args.batches, args.quick, args.budget_gib)

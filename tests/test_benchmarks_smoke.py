@@ -464,19 +464,30 @@ def test_the_parts_benchmark_casts_the_model_to_the_dtype_asked(capsys):
     refused("--dtype", "float64", why="invalid choice: 'float64'")
 
 
+COUNT, GIB = "must be a whole number of at least 1", "must be a number of GiB above 0"
+
+
 @pytest.mark.parametrize(
-    "script, args, named, given",
+    "script, args, named, given, rule",
     [
-        ("private.py", ["--batches", "16", "0"], "--batches", "'0'"),
-        ("private_parts.py", ["--pairs", "-1"], "--pairs", "'-1'"),
-        ("private_precision.py", ["--batch", "0"], "--batch", "'0'"),
-        ("run.py", ["--compile-pairs", "0"], "--compile-pairs", "'0'"),
-        ("versions.py", ["HEAD", "--pairs", "2.5"], "--pairs", "'2.5'"),
+        ("private.py", ["--batches", "16", "0"], "--batches", "'0'", COUNT),
+        ("private_frozen.py", ["--batches", "-4"], "--batches", "'-4'", COUNT),
+        ("private_parts.py", ["--pairs", "-1"], "--pairs", "'-1'", COUNT),
+        ("private_precision.py", ["--batch", "0"], "--batch", "'0'", COUNT),
+        ("run.py", ["--compile-pairs", "0"], "--compile-pairs", "'0'", COUNT),
+        ("versions.py", ["HEAD", "--pairs", "2.5"], "--pairs", "'2.5'", COUNT),
+        ("private.py", ["--budget-gib", "0"], "--budget-gib", "'0'", GIB),
+        ("private.py", ["--run-limit-gib", "-1"], "--run-limit-gib", "'-1'", GIB),
+        ("private_frozen.py", ["--budget-gib", "nan"], "--budget-gib", "'nan'", GIB),
+        ("private_frozen.py", ["--budget-gib", "lots"], "--budget-gib", "'lots'", GIB),
     ],
 )
-def test_the_scripts_refuse_a_count_below_one(script, args, named, given):
+def test_the_scripts_refuse_a_count_or_a_memory_limit_out_of_range(
+    script, args, named, given, rule
+):
     # `--pairs 0` used to mean the default (`args.pairs or 5`), `--batches 0` to fail deep
-    # inside a step: each is an argparse error naming the argument, before anything runs.
+    # inside a step, `--budget-gib 0` to size jax_privacy's microbatches at nothing and fail
+    # the same way: each is an argparse error naming the argument, before anything runs.
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *args],
         cwd=ROOT,
@@ -485,8 +496,7 @@ def test_the_scripts_refuse_a_count_below_one(script, args, named, given):
         timeout=120,
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    message = f"argument {named}: must be a whole number of at least 1, got {given}"
-    assert message in proc.stderr, proc.stderr
+    assert f"argument {named}: {rule}, got {given}" in proc.stderr, proc.stderr
 
 
 def test_each_contender_is_timed_over_the_sample_time(monkeypatch):

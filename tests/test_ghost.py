@@ -1148,6 +1148,12 @@ def _shared_models(rng):
 
     twice.defjvp(lambda primals, tangents: (twice(*primals), twice(*tangents)))
 
+    @jax.custom_vjp
+    def halved(h, c):
+        return h / 2, c / 2
+
+    halved.defvjp(lambda h, c: (halved(h, c), None), lambda _, g: (g[0] / 2, g[1] / 2))
+
     def through(p, x, how):  # an operation given h and a constant c returns c's share apart
         h = jnp.tanh(x @ p["w"])
         c = jnp.full(h.shape, 0.1)
@@ -1155,6 +1161,8 @@ def _shared_models(rng):
             h, c = lax.cond(x.shape[0] > 0, lambda h, c: (h, 2 * c), lambda h, c: (-h, c), h, c)
         elif how == "custom_jvp":
             h, c = twice(h, c)
+        elif how == "custom_vjp":
+            h, c = halved(h, c)
         else:  # a while loop (no gradient through it: JAX has no reverse mode of one)
             _, n, c = lax.while_loop(
                 lambda s: s[0] < 2,
@@ -1170,19 +1178,19 @@ def _shared_models(rng):
         "carried": (carried, dense, x),
         **{
             how: (functools.partial(through, how=how), dense, x)
-            for how in ("cond", "custom_jvp", "while")
+            for how in ("cond", "custom_jvp", "custom_vjp", "while")
         },
     }
 
 
 @pytest.mark.parametrize("way", ["jit", "eager", "gpu"])
 @pytest.mark.parametrize(
-    "name", ["positions", "constant", "carried", "cond", "custom_jvp", "while"]
+    "name", ["positions", "constant", "carried", "cond", "custom_jvp", "custom_vjp", "while"]
 )
 def test_a_site_shared_by_the_batch_has_each_examples_output_gradient(name, way, monkeypatch):
     # Where a site's operands are the same for every example (positions looked up at
     # `jnp.arange(T)`, a dense layer applied to a constant, a scan's carry that no example
-    # changes, a constant passed through a `cond`, a custom derivative or a `while` beside
+    # changes, a constant passed through a `cond`, a custom JVP or VJP or a `while` beside
     # the example's values), `jax.vmap` shares its output across the batch, and its gradient
     # was every example's summed: each example's norm and clipped sum were wrong (the
     # positions' sum by 4x) with no error. Also with an example dropped for a non-finite

@@ -192,11 +192,7 @@ def _apart(eqn, positions):
 
 def float_outputs(eqn):
     """The indices of `eqn`'s floating-point outputs (the ones tapped)."""
-    return [
-        j
-        for j, v in enumerate(eqn.outvars)
-        if hasattr(v.aval, "dtype") and jnp.issubdtype(v.aval.dtype, jnp.inexact)
-    ]
+    return [j for j, v in enumerate(eqn.outvars) if _jaxprs.is_float(v)]
 
 
 def tap_shapes(sites):
