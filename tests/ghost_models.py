@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+import optclip
+
 RTOL = 1e-5  # float32 rounding of a norm or a clipped sum, relative to the largest entry
 
 
@@ -223,6 +225,48 @@ def take_gpu_branches(patch):
     """Every `lax.platform_dependent` traced while `patch` (a pytest `MonkeyPatch`) holds takes
     its default branch, the GPU's: what a GPU runs, traced and run on this machine."""
     patch.setattr(lax, "platform_dependent", lambda *a, default, **_: default(*a))
+
+
+def assert_as_vmap_to_bfloat16_rounding(loss, params, batch, clip, mode="jit", noise=()):
+    """`clipped_grad`'s norms and sums on a model computed in bfloat16 against
+    `method="vmap"`'s. vmap rounds each example's gradient ``g`` to bfloat16 (unit roundoff
+    ``u = 2**-8``); the ghost norm is that of ``g`` before its rounding. So: the norms within
+    ``u``, and each entry of the sums within ``2u`` of ``sum_b f_b |g_b|`` (``f_b`` the
+    factors, whose error is the norms') plus ``2u`` of the sum (its own rounding). Within
+    ``2u`` of the whole sum's largest entry instead: a leaf used more than once (vmap rounds
+    each use's part before adding them: its error is relative to the parts, which may
+    cancel), and a leaf in `noise` (paths as `jax.tree_util.keystr` writes them), whose
+    gradient is zero but for rounding (attention's key bias: softmax ignores a shift).
+    Examples whose vmap norm is not finite must be dropped by both. The bounds take the
+    layers' output gradients to round alike in the batched pass and in vmap's, and an entry's
+    terms not to cancel: the clipped sums weight a bfloat16 side by the factor, rounded to
+    bfloat16 (`_sums._times`), where vmap rounds the terms' sum, so where the terms cancel
+    the two differ by ``u`` of the terms."""
+    results = {}
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
+        results[method] = (jax.jit(g) if mode == "jit" else g)(params, batch)
+    (sums, aux), (ref_sums, ref_aux) = results["auto"], results["vmap"]
+    norms, ref_norms = (np.asarray(a.grad_norms, np.float64) for a in (aux, ref_aux))
+    kept = np.isfinite(ref_norms)
+    np.testing.assert_array_equal(np.isfinite(norms), kept)
+    u = 2.0**-8
+    np.testing.assert_allclose(norms[kept], ref_norms[kept], rtol=u)
+    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch[:, None])
+    factors = np.minimum(1.0, clip / np.maximum(ref_norms[kept], 1e-300))
+    largest = max(np.max(np.abs(np.asarray(e, np.float64))) for e in jax.tree.leaves(ref_sums))
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(sums)]
+    assert set(noise) <= set(paths), (noise, paths)
+    report = optclip.ghost_report(loss, params, batch)
+    loose = {*noise, *(path for path in paths if len(report[path].operations) > 1)}
+    leaves = zip(paths, *map(jax.tree.leaves, (sums, ref_sums, grads)), strict=True)
+    for path, got, expected, g in leaves:
+        assert got.dtype == expected.dtype
+        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+        spread = np.tensordot(factors, np.abs(np.asarray(g, np.float64)[kept]), axes=(0, 0))
+        bound = 2 * u * (largest if path in loose else spread + np.abs(expected))
+        off = np.abs(got - expected) > bound
+        assert not np.any(off), f"{path}: {got[off]} against {expected[off]}, bound {bound[off]}"
 
 
 def assert_tree_close(actual, expected, rtol=RTOL, whole=False):

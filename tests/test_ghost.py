@@ -864,6 +864,27 @@ def test_every_arrangement_of_a_dense_layer(name):
         check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
+# (the fast tier's case first: a weight on the left, which the CPU could not run)
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("cast", [True, False], ids=["float32 cast to bfloat16", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(DENSE, key=lambda name: name != "heads, w first"))
+def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
+    """Each arrangement of `DENSE` computed in bfloat16: the weight in bfloat16, or in float32
+    and cast by the model (Flax's ``dtype=jnp.bfloat16``). The clipped sums' products take
+    bfloat16 operands to a float32 result, which XLA's CPU runtime refused for a weight on the
+    left or for heads ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+    With a non-finite example (dropped) the sums are taken one example at a time, by the same
+    product. (The GPU's branch, that product in bfloat16, does not run on a CPU.)"""
+    w_shape, x_shape, product = DENSE[name]
+    rng = np.random.default_rng(12)
+    w = jnp.asarray(rng.normal(size=w_shape), jnp.float32 if cast else jnp.bfloat16)
+    x = jnp.asarray(rng.normal(size=(5, *x_shape[1:])), jnp.bfloat16)
+    loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"].astype(x.dtype), x)).astype(jnp.float32))  # noqa: E731
+    assert optclip.ghost_report(loss, {"w": w}, x)["['w']"].mode == "ghost"
+    for batch in (x, x.at[2].set(jnp.inf)):
+        gm.assert_as_vmap_to_bfloat16_rounding(loss, {"w": w}, batch, 1.0, mode)
+
+
 def test_records_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):
     # Each example's input is (1, 64): its record is (32, 1, 64). XLA's CPU layout assignment
     # put the unit axis outermost and the products reading the record inside the norms' and

@@ -2,6 +2,8 @@
 looked up at ``jnp.arange(T)`` as GPT-2 does), LayerNorm, RMSNorm, attention, Conv; ghost where
 the layer allows, and equal to the float64 reference."""
 
+from typing import Any
+
 import ghost_models as gm
 import jax
 import jax.numpy as jnp
@@ -15,15 +17,18 @@ VOCAB, D, T, B = 11, 8, 5, 4
 
 
 class LinenModel(linen.Module):
+    dtype: Any = None  # what the layers compute in (their parameters stay float32)
+
     @linen.compact
     def __call__(self, ids):
-        embed = linen.Embed(VOCAB, D)
-        h = embed(ids) + linen.Embed(T, D, name="positions")(jnp.arange(ids.shape[-1]))
-        h = linen.LayerNorm()(h)
-        h = h + linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=D)(h)
-        h = linen.RMSNorm()(h)
-        h = h + linen.Conv(D, (3,), padding="CAUSAL")(h)  # over the sequence
-        h = jax.nn.gelu(linen.Dense(D)(h))
+        dt = self.dtype
+        embed = linen.Embed(VOCAB, D, dtype=dt)
+        h = embed(ids) + linen.Embed(T, D, dtype=dt, name="positions")(jnp.arange(ids.shape[-1]))
+        h = linen.LayerNorm(dtype=dt)(h)
+        h = h + linen.MultiHeadDotProductAttention(num_heads=2, qkv_features=D, dtype=dt)(h)
+        h = linen.RMSNorm(dtype=dt)(h)
+        h = h + linen.Conv(D, (3,), padding="CAUSAL", dtype=dt)(h)  # over the sequence
+        h = jax.nn.gelu(linen.Dense(D, dtype=dt)(h))
         return embed.attend(h)  # tied output projection
 
 
@@ -41,12 +46,13 @@ class NNXModel(nnx.Module):
 
 
 def cross_entropy(logits, ids):
+    logits = logits.astype(jnp.float32)
     return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(ids, VOCAB))
 
 
-def linen_case():
+def linen_case(dtype=None):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, size=(B, T)))
-    model = LinenModel()
+    model = LinenModel(dtype)
     params = model.init(jax.random.key(0), ids[:1])["params"]
     return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
 
@@ -79,3 +85,19 @@ def test_flax_models_match_the_reference_and_go_ghost(case):
     scale = max(np.max(np.abs(e)) for e in jax.tree.leaves(sums))
     for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(sums), strict=True):
         np.testing.assert_allclose(a, e, atol=1e-5 * scale)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_model_computed_in_bfloat16_goes_ghost(mode):
+    """The Linen model computed in bfloat16 with float32 parameters (``dtype=jnp.bfloat16``,
+    mixed precision as large models train): every kernel ghost; norms and sums within
+    bfloat16's rounding of `method="vmap"`'s. Its attention's clipped sums could not run on a
+    CPU before (a bfloat16 product to float32 with heads: "Unsupported element type for
+    DotThunk::Execute")."""
+    loss, params, ids = linen_case(jnp.bfloat16)
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+    modes = {path: r.mode for path, r in optclip.ghost_report(loss, params, ids).items()}
+    kernels = [p for p in modes if "kernel" in p or "embedding" in p]
+    assert len(kernels) == 8 and all(modes[p] == "ghost" for p in kernels), modes
+    key_bias = "['MultiHeadDotProductAttention_0']['key']['bias']"  # (softmax ignores a shift)
+    gm.assert_as_vmap_to_bfloat16_rounding(loss, params, ids, 1.0, mode, noise=[key_bias])

@@ -31,6 +31,8 @@ the factors shared in any case off a CPU, over the whole batch, with no `cond`.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -206,16 +208,24 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
         spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
         out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))
     work = _per_example._work_dtype(value.dtype)
-    out = lax.dot_general(
-        record,
-        cotangent,
-        ((r_sum, c_sum), (r_batch, c_batch)),
+    product = functools.partial(
+        lax.dot_general,
+        dimension_numbers=((r_sum, c_sum), (r_batch, c_batch)),
         precision=eqn.params["precision"],
         preferred_element_type=work
         if work != value.dtype
         else eqn.params["preferred_element_type"],
         out_sharding=out_sharding,
     )
+    if jnp.dtype(jnp.bfloat16) in (record.dtype, cotangent.dtype):
+        # XLA's CPU runtime has no bfloat16 product with a float32 result in some layouts
+        # (seen with a weight on the left and with heads: "Unsupported element type for
+        # DotThunk::Execute: BF16 x BF16 = F32"); where it has one, it converts both operands
+        # to float32 first. So a CPU gets the operands in float32 (the same numbers).
+        upcast = lambda a, b: product(a.astype(work), b.astype(work))  # noqa: E731
+        out = lax.platform_dependent(record, cotangent, cpu=upcast, default=product)
+    else:
+        out = product(record, cotangent)
     perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
     if perm != tuple(range(value.ndim)):
         out = jnp.transpose(out, perm)
