@@ -872,7 +872,7 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     """Each arrangement of `DENSE` computed in bfloat16: the weight in bfloat16, or in float32
     and cast by the model (Flax's ``dtype=jnp.bfloat16``). The clipped sums' products take
     bfloat16 operands to a float32 result, which XLA's CPU runtime refused for a weight on the
-    left or for heads ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32").
+    left ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"): three of them.
     With a non-finite example (dropped) the sums are taken one example at a time, by the same
     product. (The GPU's branch, that product in bfloat16, does not run on a CPU.)"""
     w_shape, x_shape, product = DENSE[name]
@@ -883,6 +883,27 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     assert optclip.ghost_report(loss, {"w": w}, x)["['w']"].mode == "ghost"
     for batch in (x, x.at[2].set(jnp.inf)):
         gm.assert_as_vmap_to_bfloat16_rounding(loss, {"w": w}, batch, 1.0, mode)
+    if name in ("stacked in a scan", "one weight at every step"):
+        return  # (layers in a chain: their output gradients are the chain's, in bfloat16)
+    # Against float64: each example's gradient before its rounding, from the model's own
+    # bfloat16 output gradient (``cos(y)``) and input, contracted in float64.
+    ys = jax.vmap(lambda xb: product(w.astype(xb.dtype), xb))(x[:, None])
+    outs = jax.vmap(jax.grad(lambda y: jnp.sum(jnp.sin(y).astype(jnp.float32))))(ys)
+    with jax.enable_x64(True):
+        w64 = jnp.asarray(np.asarray(w, np.float64))
+        per_example = [
+            jax.vjp(lambda v, xb=xb: product(v, xb), w64)[1](jnp.asarray(o, jnp.float64))[0]
+            for xb, o in zip(np.asarray(x[:, None], np.float64), np.asarray(outs, np.float64))
+        ]
+        per_example = np.asarray(jnp.stack(per_example))
+    norms = np.sqrt(np.sum(per_example.reshape(5, -1) ** 2, axis=1))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1e30, return_grad_norms=True)
+    sums, aux = run(g, mode)({"w": w}, x)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms, np.float64), norms, rtol=RTOL)
+    # (unclipped: the sum of the examples' gradients, rounded once to the leaf's dtype)
+    total = np.sum(per_example, axis=0)
+    got = np.asarray(sums["w"], np.float64)
+    np.testing.assert_allclose(got, total, rtol=2.0**-8, atol=RTOL * np.max(np.abs(total)))
 
 
 def test_records_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):

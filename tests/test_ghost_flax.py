@@ -1,6 +1,7 @@
 """`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not; learned positions,
 looked up at ``jnp.arange(T)`` as GPT-2 does), LayerNorm, RMSNorm, attention, Conv; ghost where
-the layer allows, and equal to the float64 reference."""
+the layer allows, and equal to the float64 reference (computed in bfloat16: within its rounding
+of `method="vmap"`)."""
 
 from typing import Any
 
@@ -92,8 +93,8 @@ def test_a_model_computed_in_bfloat16_goes_ghost(mode):
     """The Linen model computed in bfloat16 with float32 parameters (``dtype=jnp.bfloat16``,
     mixed precision as large models train): every kernel ghost; norms and sums within
     bfloat16's rounding of `method="vmap"`'s. Its attention's clipped sums could not run on a
-    CPU before (a bfloat16 product to float32 with heads: "Unsupported element type for
-    DotThunk::Execute")."""
+    CPU before (a bfloat16 product to float32 whose weight has several output features, the
+    heads: "Unsupported element type for DotThunk::Execute")."""
     loss, params, ids = linen_case(jnp.bfloat16)
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
     modes = {path: r.mode for path, r in optclip.ghost_report(loss, params, ids).items()}

@@ -219,9 +219,10 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     )
     if jnp.dtype(jnp.bfloat16) in (record.dtype, cotangent.dtype):
         # XLA's CPU runtime has no bfloat16 product with a float32 result in some layouts
-        # (seen with a weight on the left and with heads: "Unsupported element type for
-        # DotThunk::Execute: BF16 x BF16 = F32"); where it has one, it converts both operands
-        # to float32 first. So a CPU gets the operands in float32 (the same numbers).
+        # (seen with a weight on the left, and with one of several output features, as
+        # attention's heads: "Unsupported element type for DotThunk::Execute: BF16 x BF16 =
+        # F32"); where it has one, it converts both operands to float32 first. So a CPU gets
+        # the operands in float32 (the same numbers).
         upcast = lambda a, b: product(a.astype(work), b.astype(work))  # noqa: E731
         out = lax.platform_dependent(record, cotangent, cpu=upcast, default=product)
     else:
