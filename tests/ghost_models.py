@@ -271,8 +271,9 @@ def assert_as_vmap_to_bfloat16_rounding(loss, params, batch, clip, mode="jit", n
 
 def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
     """Every leaf within `rtol` of its largest entry (of the whole tree's, with `whole`)."""
-    largest = max(np.max(np.abs(e)) for e in jax.tree.leaves(expected))
+    largest = max(np.max(np.abs(e), initial=0) for e in jax.tree.leaves(expected))
     for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         a = np.asarray(a, np.float64)
-        scale = max(largest if whole else np.max(np.abs(e)), 1e-30)
+        assert a.shape == np.shape(e), (a.shape, np.shape(e))
+        scale = max(largest if whole else np.max(np.abs(e), initial=0), 1e-30)
         np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)

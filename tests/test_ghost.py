@@ -1055,6 +1055,150 @@ def test_a_use_no_gradient_flows_back_from_is_no_site(name, mode):
         assert_tree_close(run(g, mode)(params, x)[1].aux, run(v, mode)(params, x)[1].aux)
 
 
+def _empty_models(rng):
+    """Losses that use arrays with no entries, beside a dense layer or a lookup `v` that gives
+    each example a gradient: ``{name: (loss, params, batch, modes)}``, where `modes` are the
+    ghost report's modes of the leaves other than `v` (None: not asked). A product with an
+    operand of no entries is zero whatever the other, and no gradient flows back through an
+    array of no entries."""
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)  # noqa: E731
+    x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 7, size=(5, 4)))
+    dense = lambda p, x: jnp.sum(jnp.sin(x @ p["v"]))  # noqa: E731
+    lookup = lambda p, i: jnp.sum(p["v"][i] ** 2)  # noqa: E731
+    conv = functools.partial(lax.conv_general_dilated, dimension_numbers=("NWC", "WIO", "NWC"))
+
+    def scan(p, x):  # stacked blocks, none of them
+        return lax.scan(lambda h, u: (jnp.tanh(h @ u), None), x, p["w"])[0]
+
+    def carried(p, x):  # a loop of no steps that carries a parameter: passed through
+        return lax.fori_loop(0, 0, lambda i, c: (jnp.tanh(c[0] @ c[1]), c[1]), (x, p["w"]))[0]
+
+    def model(loss, batch=x, modes=("unused",), **shapes):
+        v = w(7, 2) if batch is ids else w(6, 6)
+        return loss, {"v": v, **{k: w(*shape) for k, shape in shapes.items()}}, batch, modes
+
+    return {
+        "an empty leaf": model(lambda p, x: dense(p, x) + jnp.sum(p["w"] ** 2), w=(0,)),
+        "a dense layer of no inputs": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(x[..., :0] @ p["w"])), w=(0, 3)
+        ),
+        "a dense layer of no outputs": model(
+            lambda p, x: dense(p, x) + jnp.sum(x @ p["w"]), w=(6, 0)
+        ),
+        "an empty sequence": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(x[:, :0] @ p["w"] + p["b"])),
+            modes=("unused", "unused"),
+            w=(6, 6),
+            b=(6,),
+        ),
+        "no columns of a weight": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(x @ p["w"][:, :0])) + jnp.sum(x @ p["w"]),
+            modes=("ghost",),
+            w=(6, 6),
+        ),
+        "an empty table": model(
+            lambda p, i: lookup(p, i) + jnp.sum(jnp.sin(p["e"][i] @ p["w"])),
+            ids,
+            ("unused", "unused"),
+            e=(7, 0),
+            w=(0, 6),
+        ),
+        "no tokens": model(
+            lambda p, i: lookup(p, i) + jnp.sum(jnp.sin(p["e"][i[:, :0]] @ p["w"])),
+            ids,
+            ("unused", "unused"),
+            e=(7, 6),
+            w=(6, 6),
+        ),
+        "a convolution of no output channels": model(
+            lambda p, x: dense(p, x) + jnp.sum(conv(x, p["k"], (1,), "SAME") ** 2), k=(3, 6, 0)
+        ),
+        "a padded convolution of no input": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.cos(conv(x[:, :0], p["k"], (1,), [(2, 2)]))),
+            k=(3, 6, 4),
+        ),
+        "an empty scale": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(x[..., :0] * p["s"])), s=(0,)
+        ),
+        "a scan of no steps": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(scan(p, x))), w=(0, 6, 6)
+        ),
+        "a loop of no steps carrying a parameter": model(
+            lambda p, x: dense(p, x) + jnp.sum(jnp.sin(carried(p, x))), modes=None, w=(6, 6)
+        ),
+    }
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", list(_empty_models(np.random.default_rng(0))))
+def test_arrays_with_no_entries_contribute_nothing(name, mode):
+    """A leaf with no entries, or used only on arrays with no entries, has a zero gradient
+    (``unused``: its clipped sum is zeros of its shape), beside a ghost leaf `v`. The norms'
+    checks took the logarithm of sizes of 0 and the largest of no entries ("math domain
+    error", where `method="vmap"` and jax_privacy ran them)."""
+    loss, params, x, modes = _empty_models(np.random.default_rng(5))[name]
+    report = optclip.ghost_report(loss, params, x)
+    assert report["['v']"].mode == "ghost"
+    if modes is not None:
+        assert tuple(r.mode for path, r in report.items() if path != "['v']") == modes, report
+        unused = [r.reason for r in report.values() if r.mode == "unused"]
+        assert all("arrays with no entries" in reason for reason in unused), report
+    grads, _ = check_against_reference(loss, params, x, 0.5, mode=mode)
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    assert shapes(grads) == shapes(params)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", ["transformer", "recurrent"])
+def test_a_batch_of_no_examples_sums_to_zeros(name, mode):
+    """A batch with no examples: the clipped sum of none is zeros of each leaf's shape and
+    dtype, with no norms, losses or aux outputs, as `method="vmap"` gives (jitted, the ghost
+    way failed slicing one example out of none; jax_privacy refuses a batch of 0)."""
+    loss, params, x = MODELS[name](np.random.default_rng(3))
+    with_aux = lambda p, x: (loss(p, x), {"twice": 2 * loss(p, x)})  # noqa: E731
+    kwargs = dict(l2_clip_norm=1.0, has_aux=True, return_values=True, return_grad_norms=True)
+    outs = {}
+    for method in ("auto", "vmap"):
+        for micro in (None, 2):
+            g = optclip.clipped_grad(with_aux, method=method, microbatch_size=micro, **kwargs)
+            none = np.zeros(0, bool)
+            outs[method, micro] = run(g, mode)(params, x[:0], is_padding_example=none)
+    shapes = lambda tree: jax.tree.map(lambda a: (a.shape, a.dtype), tree)  # noqa: E731
+    for grads, aux in outs.values():
+        assert shapes(grads) == shapes(params)
+        assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+        assert aux.grad_norms.shape == aux.values.shape == aux.aux["twice"].shape == (0,)
+        assert aux.grad_norms.dtype == jnp.float32
+    assert shapes(outs["auto", None]) == shapes(outs["vmap", None])
+
+
+def test_a_grouped_product_of_a_parameter_fails_as_jaxs_own_vmap():
+    """`lax.ragged_dot` (a mixture of experts' grouped products) by a parameter: JAX 0.10
+    batches it only with every operand batched along its first axis ("ragged_dot vmap over any
+    dim but 0 - NYI"), so no per-example gradient of it can be formed by `jax.vmap`, nor by
+    jax_privacy. `clipped_grad` raises JAX's own error, by either method; with a JAX that
+    batches it, the results must be float64's."""
+    rng = np.random.default_rng(9)
+    params = {"w": jnp.asarray(rng.normal(size=(2, 6, 5)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(4, 3, 6)), jnp.float32)
+    sizes = jnp.array([1, 2], jnp.int32)  # (rows of each example per expert)
+    loss = lambda p, x: jnp.sum(jnp.sin(lax.ragged_dot(x[0], p["w"], sizes)))  # noqa: E731
+    assert "ragged_dot" in optclip.ghost_report(loss, params, x)["['w']"].reason
+    try:
+        jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, x[:, None])
+        refused = None
+    except NotImplementedError as error:
+        refused = str(error)
+    for method in ("auto", "vmap"):
+        if refused is None:
+            check_against_reference(loss, params, x, 1.0, method)
+            continue
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, method=method)
+        with pytest.raises(NotImplementedError, match=re.escape(refused)):
+            g(params, x)
+
+
 def test_arguments_are_checked():
     loss = lambda w, x: jnp.sum(x * w)  # noqa: E731
     with pytest.raises(ValueError, match="`argnums` .* share"):
@@ -1078,6 +1222,47 @@ def test_arguments_are_checked():
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, microbatch_size=2)
     with pytest.raises(ValueError, match="`microbatch_size` \\(2\\) must divide the batch"):
         g(jnp.ones(2), jnp.ones((3, 2)))
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap", "report"])
+def test_arguments_that_cannot_be_differentiated_or_split_are_named(method):
+    """Parameters that are not floating-point (an int, a bool, a key), a keyword argument with
+    no batch axis, batch arguments that hold no arrays, `argnums` past the arguments given:
+    each an error that names it, from both methods and `ghost_report` (they were IndexError,
+    "data type <class 'numpy.int32'> not inexact", "Cannot interpret 'key<fry>' as a data
+    type", or "share one batch size, got ."). No parameters at all: zeros, norms 0."""
+
+    def loss(p, x, scale=1.0):
+        return jnp.sum(jnp.sin(x @ p["w"])) * scale
+
+    def call(fun, *args, argnums=0, **kwargs):
+        if method == "report":
+            return optclip.ghost_report(fun, *args, argnums=argnums, **kwargs)
+        g = optclip.clipped_grad(
+            fun, argnums, l2_clip_norm=1.0, method=method, return_grad_norms=True
+        )
+        return g(*args, **kwargs)
+
+    params, x = {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))
+    for leaf, dtype in (
+        (jnp.arange(3), "int32"),
+        (np.array(True), "bool"),
+        (2, "int32"),
+        (jax.random.key(0), "key<fry>"),
+    ):
+        named = rf"argument 0: .*leaf `\[0\]\['n'\]` has dtype {dtype}"
+        with pytest.raises(TypeError, match=named):
+            call(loss, {**params, "n": leaf}, x)
+    with pytest.raises(ValueError, match=r"keyword argument `\['scale'\]` is 0-d"):
+        call(loss, params, x, scale=2.0)
+    for empty in ({}, None, ()):
+        with pytest.raises(ValueError, match="batch argument 1 holds no arrays"):
+            call(lambda p, b: jnp.sum(p["w"]), params, empty)
+    with pytest.raises(TypeError, match="`argnums` names argument 2, but .* given 2 positional"):
+        call(lambda p, x, q: loss(p, x), params, x, argnums=2)
+    if method != "report":
+        grads, aux = call(lambda p, x: jnp.sum(x), {}, x)
+        assert grads == {} and aux.grad_norms.shape == (4,) and np.all(aux.grad_norms == 0)
 
 
 def random_model(draw_sizes, tied, scanned, magnitude):

@@ -182,10 +182,11 @@ def clipped_grad(
     Raises:
       ValueError: `argnums` and `batch_argnums` overlap or are empty or negative,
         `normalize_by` <= 0, a concrete `l2_clip_norm` is negative or NaN, `method` is unknown,
-        the batch arguments' leading sizes differ, or `microbatch_size` does not divide the
-        batch.
-      TypeError: `fun` does not return a real scalar per example, or an argument is of the
-        wrong type.
+        the batch arguments' leading sizes differ, they hold no arrays, a keyword argument has
+        no batch axis, or `microbatch_size` does not divide the batch.
+      TypeError: `fun` does not return a real scalar per example, `argnums` names an argument
+        not given, a differentiated leaf is not floating-point or complex (an int, a bool, a
+        key), or an argument is of the wrong type.
 
     Examples:
       >>> import jax.numpy as jnp, numpy as np, optclip
@@ -242,8 +243,10 @@ def clipped_grad(
             pre_clipping_transform,
             spmd_axis_name,
         )
+        # (a batch of no examples: nothing to compute, its shapes are vmap's to give)
+        chosen = engine if size else _passes.vmap_pass
         grads, norms, values, aux = _microbatched(
-            engine, one, args, kwargs, padding, s, size, microbatch_size
+            chosen, one, args, kwargs, padding, s, size, microbatch_size
         )
         if not (isinstance(normalize_by, (int, float)) and normalize_by == 1):
             grads = jax.tree.map(lambda g: g / normalize_by, grads)

@@ -70,9 +70,19 @@ def check_static(
 
 
 def check_leaves(args, argnums, batch, what: str) -> None:
-    """The differentiated and batch arguments hold numbers (`_checks`' one leaf check), each
-    leaf named by its argument's place and its path."""
-    for i in sorted(set(argnums) | set(batch)):
+    """The differentiated arguments are given and hold floating-point or complex numbers, the
+    batch arguments numbers (`_checks`' leaf checks), each leaf named by its argument's place
+    and its path."""
+    if max(argnums) >= len(args):
+        raise TypeError(
+            f"`argnums` names argument {max(argnums)}, but {what} was given {len(args)} "
+            "positional arguments."
+        )
+    for i in argnums:
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            where = (jax.tree_util.SequenceKey(i), *path)
+            _checks.check_float_leaf(where, leaf, f"{what} differentiates argument {i}: it")
+    for i in sorted(set(batch) - set(argnums)):
         if i < len(args):
             _checks.check_leaves(args[i], what, prefix=(jax.tree_util.SequenceKey(i),))
 
@@ -95,7 +105,19 @@ def batch_size(args, kwargs, batch) -> int:
                 )
             sizes.setdefault(shape[0], f"argument {i}, leaf `{_checks.leaf_name(path)}`")
     for path, leaf in jax.tree_util.tree_flatten_with_path(kwargs)[0]:
+        if not np.shape(leaf):
+            raise ValueError(
+                f"keyword arguments are split into examples like the batch; keyword argument "
+                f"`{_checks.leaf_name(path)}` is 0-d (pass it positionally, outside "
+                "`batch_argnums`, to give every example the same value)."
+            )
         sizes.setdefault(np.shape(leaf)[0], f"keyword `{_checks.leaf_name(path)}`")
+    if not sizes:
+        names = ", ".join(str(i) for i in batch)
+        raise ValueError(
+            f"batch argument {names} holds no arrays (nor do the keyword arguments): there is "
+            "no batch to split into examples."
+        )
     if len(sizes) != 1:
         listed = "; ".join(f"{size} ({where})" for size, where in sizes.items())
         raise ValueError(f"the batch arguments must share one batch size, got {listed}.")

@@ -5,10 +5,15 @@ A parameter used only where no gradient flows back (``lax.stop_gradient``, a com
 sign, ``argmax``, a conversion to integers, a value that reaches only the auxiliary outputs of
 ``has_aux``) has a zero gradient through that use: `_trace` makes no site of it. Each such use
 was a fallback site, and its leaf's per-example gradient was materialised (zeros; a frozen
-embedding's, ``stop_gradient(table)``, a table per example).
+embedding's, ``stop_gradient(table)``, a table per example). No gradient flows back through an
+array with no entries either, nor from a product (`dot_general`, a convolution) with an operand
+of no entries (it is zero whatever the other), nor into the body of a `scan` of no steps (its
+carries are passed through).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +23,7 @@ CALLS = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_cal
 REMATS = frozenset({"remat2", "checkpoint", "remat"})
 # Primitives with a floating-point output whose derivative is zero wherever it is defined.
 NO_GRADIENT = frozenset({"stop_gradient", "sign", "floor", "ceil", "round"})
+PRODUCTS = frozenset({"dot_general", "conv_general_dilated"})  # zero if an operand is empty
 
 
 def sub_jaxpr(eqn):
@@ -72,7 +78,8 @@ def _walk(jaxpr, live_out):
     for index in reversed(range(len(jaxpr.eqns))):
         eqn = jaxpr.eqns[index]
         reached = {i for i, v in enumerate(eqn.outvars) if v in live}
-        if not reached or eqn.primitive.name in NO_GRADIENT:
+        name = eqn.primitive.name
+        if not reached or name in NO_GRADIENT or (name in PRODUCTS and any(map(empty, eqn.invars))):
             continue
         out[index], operands = _operands(eqn, reached)
         live |= {v for v in operands if _floating(v)}
@@ -88,6 +95,8 @@ def _operands(eqn, reached: set):
         return reached, list(eqn.invars)
     if eqn.primitive.name == "scan":
         consts, carries = scan_counts(eqn)
+        if eqn.params["length"] == 0:  # (no step: each carry is returned as it came)
+            return reached, [eqn.invars[consts + j] for j in reached if j < carries]
         while True:  # a carry the gradient reaches is reached at every iteration
             inner = _walk(body, reached)[1]
             more = {j for j in range(carries) if body.invars[consts + j] in inner}
@@ -100,7 +109,13 @@ def _operands(eqn, reached: set):
 
 
 def _floating(var) -> bool:
-    return isinstance(var, jcore.Var) and is_float(var)
+    """Whether a gradient can flow through `var`: a floating-point variable with entries."""
+    return isinstance(var, jcore.Var) and is_float(var) and not empty(var)
+
+
+def empty(var) -> bool:
+    """Whether `var` (a variable or a literal) has no entries."""
+    return math.prod(getattr(var.aval, "shape", ())) == 0
 
 
 def batched(jaxpr, batched_in) -> tuple[set, dict]:

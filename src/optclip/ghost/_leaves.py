@@ -49,7 +49,10 @@ def plan_leaves(sites, count: int):
 
 def _leaf_plan(uses) -> LeafPlan:
     if not uses:
-        why = "no gradient reaches it (not used, or only where none flows back): zero gradient"
+        why = (
+            "no gradient reaches it (not used, or only where none flows back, or on arrays "
+            "with no entries): zero gradient"
+        )
         return LeafPlan("unused", [], [], why)
     others = [site for site, _, _ in uses if site.kind == "fallback"]
     if not others and len(uses) > 1 and any(site.kind == "conv" for site, _, _ in uses):

@@ -67,7 +67,10 @@ def vmap_pass(one, args, kwargs, padding, s: Settings):
     if s.dtype is not None:
         grads = jax.tree.map(lambda g: g.astype(s.dtype), grads)
     leaves, treedef = jax.tree.flatten(grads)
-    norms = _per_example.example_norms(leaves, per_leaf=False)
+    if leaves:
+        norms = _per_example.example_norms(leaves, per_leaf=False)
+    else:  # (no parameters: every example's gradient is empty, of norm 0, as the ghost way's)
+        norms = jnp.zeros(jnp.shape(losses)[:1], jnp.float32)
     w, keep, _ = weights(norms, padding, s)
     sums = _per_example._sums(leaves, lambda i: w, keep, "zero")
     return jax.tree.unflatten(treedef, sums), norms, losses, aux

@@ -173,10 +173,10 @@ def analyse(jaxpr, views: dict, live_out, ids=None):
     keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
     reach = _jaxprs.flows(jaxpr, live_out)
     for index, eqn in enumerate(jaxpr.eqns):
-        used = tuple(
+        used = tuple(  # (no gradient flows back to a view with no entries)
             (pos, views[v])
             for pos, v in enumerate(eqn.invars)
-            if isinstance(v, jcore.Var) and v in views
+            if isinstance(v, jcore.Var) and v in views and not _jaxprs.empty(v)
         )
         if not used or index not in reach:
             continue
@@ -241,6 +241,8 @@ def _scan(eqn, used, live_out, ids):
     length = eqn.params["length"]
     if any(consts <= pos < consts + carry for pos, _ in used):
         return None
+    if length == 0:  # (no step runs: no use inside counts)
+        return Plan()
     inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
     subplan, out_views = analyse(body, inner, live_out, ids)
     if out_views:
