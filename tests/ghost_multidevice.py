@@ -18,7 +18,7 @@ def main():
     import ghost_models as gm
     import jax
     import numpy as np
-    from jax.sharding import AxisType
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from optclip.ghost import _interpret, _leaves
 
@@ -43,6 +43,12 @@ def main():
         variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
         if axis_type == AxisType.Auto:  # the norms one example at a time (as on a CPU when
             variants.append(("looped", loss, x, None))  # one example's Grams are large)
+        if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does
+            whole = NamedSharding(mesh, PartitionSpec())
+            held = lambda p, x, loss=loss, whole=whole: loss(  # noqa: E731
+                jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, whole), p), x
+            )
+            variants.append(("held", held, x, None))
         if name == "mlp":
             padding = np.zeros(16, bool)
             padding[5] = True
@@ -58,7 +64,11 @@ def main():
 
 def compare(loss, params, x, padding, mesh, label):
     """`clipped_grad` jitted over `x` split over the mesh (plain jit, `spmd_axis_name`, and
-    under explicit sharding `method="vmap"` too) against the same call on one device."""
+    under explicit sharding `method="vmap"` too; under automatic sharding, with no mesh
+    context as well, the parameters replicated or split) against the same call on one
+    device."""
+    import contextlib
+
     import jax
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
@@ -75,14 +85,26 @@ def compare(loss, params, x, padding, mesh, label):
     split = optclip.clipped_grad(
         loss, l2_clip_norm=1.0, return_grad_norms=True, spmd_axis_name="data"
     )
-    contenders = [("jit", single), ("spmd_axis_name", split)]
+    # (name, function, under `jax.set_mesh`, parameters)
+    contenders = [("jit", single, True, replicated), ("spmd_axis_name", split, True, replicated)]
     if mesh.axis_types[0] == AxisType.Explicit:  # the materialising reference too
         vmap = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
-        contenders.append(("vmap", vmap))
+        contenders.append(("vmap", vmap, True, replicated))
+    else:  # arrays placed on the mesh and jitted with no mesh context (the classic way), the
+        # parameters replicated, or each split along its first axis that 8 divides (FSDP)
+        def split_some(a):
+            axes = [d for d, n in enumerate(a.shape) if n % 8 == 0]
+            spec = PartitionSpec(*[None] * axes[0], "data") if axes else PartitionSpec()
+            return jax.device_put(a, NamedSharding(mesh, spec))
+
+        fsdp = jax.tree.map(split_some, params)
+        contenders += [("no mesh context", single, False, replicated)]
+        if any("data" in a.sharding.spec for a in jax.tree.leaves(fsdp)):
+            contenders += [("parameters split", single, False, fsdp)]
     done = []
-    for name, fn in contenders:
-        with jax.set_mesh(mesh):
-            got = jax.jit(fn)(replicated, sharded_x, **kwargs)
+    for name, fn, in_context, weights in contenders:
+        with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
+            got = jax.jit(fn)(weights, sharded_x, **kwargs)
         for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
             e = np.asarray(e, np.float64)
             largest = np.max(np.abs(e[np.isfinite(e)]), initial=0)

@@ -1466,6 +1466,36 @@ def test_a_batch_sharded_over_eight_devices():
     assert "mlp/Explicit/spmd_axis_name" in done.stdout
     for pinned in ("mlp/Explicit/pinned/spmd_axis_name", "transformer/Auto/pinned/spmd_axis_name"):
         assert pinned in done.stdout, done.stdout
+    for classic in ("no mesh context", "parameters split"):  # (not under `jax.set_mesh`)
+        assert f"transformer/Auto/{classic}" in done.stdout, done.stdout
+        assert f"transformer/Auto/held/{classic}" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_weight_held_by_a_sharding_constraint_stays_ghost(mode):
+    """`with_sharding_constraint` on a weight (where it is held: FSDP code gathers each weight
+    whole before its layer), outside a scan and on each layer's slice inside one: a view, as a
+    dtype conversion is (each use was materialised, a weight per example)."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec
+
+    mesh = jax.make_mesh((1,), ("x",), axis_types=(AxisType.Auto,))
+    held = lambda a: lax.with_sharding_constraint(a, NamedSharding(mesh, PartitionSpec()))  # noqa: E731
+    rng = np.random.default_rng(17)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(3, 6, 6)) * 0.5, jnp.float32),
+        "v": jnp.asarray(rng.normal(size=(6, 4)), jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(5, 2, 6)), jnp.float32)
+
+    def loss(p, x):
+        h = lax.scan(lambda h, w: (jnp.tanh(h @ held(w)), None), x, p["w"])[0]
+        return jnp.sum(jnp.sin(h @ held(p["v"])))
+
+    names = {e.primitive.name for e in jax.make_jaxpr(loss)(params, x[:1]).eqns}
+    assert "sharding_constraint" in names  # (not dropped while tracing: the test is of it)
+    report = optclip.ghost_report(loss, params, x)
+    assert [r.mode for r in report.values()] == ["ghost", "ghost"], report
+    check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
 def test_static_python_arguments_stay_python():

@@ -202,8 +202,8 @@ def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
     order = [*v_batch, *(v_contract[list(o_contract).index(d)] for d in sorted(o_contract))]
     order += v_free
     sharding = jax.typeof(value).sharding
-    if sharding.mesh.empty:
-        out_sharding = None
+    if sharding.mesh.empty or jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
+        out_sharding = None  # (automatic sharding: XLA's to choose, with or without a mesh set)
     else:
         spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
         out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))

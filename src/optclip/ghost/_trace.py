@@ -41,10 +41,13 @@ VIEW_PRIMITIVES = frozenset(
         "copy_p",
         "expand_dims",
         "slice",
+        "sharding_constraint",  # (`with_sharding_constraint` on a weight: where it is held)
     }
 )
 # Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
-PLAIN_PRIMITIVES = frozenset({"convert_element_type", "transpose", "copy", "copy_p"})
+PLAIN_PRIMITIVES = frozenset(
+    {"convert_element_type", "transpose", "copy", "copy_p", "sharding_constraint"}
+)
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
 SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
 
