@@ -1,9 +1,11 @@
 """Run by `tests/test_ghost.py` in a process of its own with 8 CPU devices: `clipped_grad` on a
 batch sharded over a data-parallel mesh (jit of sharded inputs; `spmd_axis_name` under the
-mesh) equals the same call on one device, on the common path and on the paths taken for
-gradients whose squares overflow and for a dropped non-finite example, with the norms' Grams
-batched and one example at a time, and with the output gradients held row-major as on a GPU
-(`_interpret._pinned`, applied here too). Prints ``ok`` and the checks made.
+mesh; under automatic sharding also with no mesh context, the parameters replicated or split,
+and with every weight held whole by a sharding constraint) equals the same call on one device,
+on the common path and on the paths taken for gradients whose squares overflow and for a
+dropped non-finite example, with the norms' Grams batched and one example at a time, and with
+the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too).
+Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
 """

@@ -185,5 +185,7 @@ def test_jax_distributed_two_processes(distributed):
         failures = _failures(out["results"])
         assert not failures, f"process {rank}: {failures}"
         assert len(out["results"]) >= 10 and out["values"]
+        for model in ("transformer/Auto", "mlp/Explicit"):  # (ghost clipping's checks ran)
+            assert f"distributed/clipped_grad/{model}/sums" in out["results"], out["results"]
     # Every process sees the same global norm, bit for bit.
     assert distributed[0]["values"] == distributed[1]["values"]

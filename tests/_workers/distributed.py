@@ -9,7 +9,8 @@ The processes join over 127.0.0.1:PORT with gloo CPU collectives and build the s
 gradients from one seed, sharded over a ("data", "model") mesh of every process's devices. Each
 process checks the shards it holds against the float64 NumPy reference of the whole global data
 (an element of a sharded result is right only if the norm was reduced over every process), and
-prints ``RESULT <json>`` as the last line of stdout.
+prints ``RESULT <json>`` as the last line of stdout. `clipped_grad` runs there too, on a global
+batch split over the processes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from jax.sharding import PartitionSpec as P
 import optclip
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))  # (ghost_models)
 from multidevice import (  # noqa: E402  (the helpers and references of the one-process checks)
     RESULTS,
     check_hlo,
@@ -134,6 +136,43 @@ def run_checks(mesh):
     return values
 
 
+def ghost_checks():
+    """`clipped_grad` (ghost clipping) over a global batch split over every process's devices
+    along "data", each process placing its own examples, the parameters replicated: jitted
+    with no mesh context under automatic sharding (multi-host data parallelism as it is
+    usually written), and under `jax.set_mesh` with `spmd_axis_name` under explicit sharding.
+    The norms and the clipped sums against the float64 reference of the whole batch."""
+    import contextlib
+
+    import ghost_models as gm
+    from jax.sharding import AxisType
+
+    cases = (("transformer", gm.transformer, AxisType.Auto), ("mlp", gm.mlp, AxisType.Explicit))
+    for name, build, axis_type in cases:
+        loss, params, x = build(np.random.default_rng(5), batch=2 * jax.device_count())
+        norms, sums = gm.reference(loss, params, x, 1.0)
+        mesh = jax.make_mesh((jax.device_count(),), ("data",), axis_types=(axis_type,))
+        batch = global_array(np.asarray(x), mesh, P("data"))
+        weights = jax.tree.map(lambda a, m=mesh: global_array(np.asarray(a), m, P()), params)
+        explicit = axis_type == AxisType.Explicit
+        g = optclip.clipped_grad(
+            loss,
+            l2_clip_norm=1.0,
+            return_grad_norms=True,
+            spmd_axis_name="data" if explicit else None,
+        )
+        with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():
+            grads, aux = jax.jit(g)(weights, batch)
+        label = f"distributed/clipped_grad/{name}/{axis_type.name}"
+        check_shards(f"{label}/norms", aux.grad_norms, norms)
+        errors = [  # each leaf's shards within 1e-5 of its largest entry
+            float(np.max(np.abs(np.asarray(s.data) - ref[s.index])) / np.max(np.abs(ref)))
+            for leaf, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(sums), strict=True)
+            for s in leaf.addressable_shards
+        ]
+        record(f"{label}/sums", max(errors) <= 1e-5, max(errors), note=f"{len(errors)} shards")
+
+
 def main():
     process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -154,6 +193,8 @@ def main():
         mesh = jax.make_mesh((jax.device_count() // 2, 2), ("data", "model"))
         with group("distributed"):
             values = run_checks(mesh)
+        with group("distributed-ghost"):
+            ghost_checks()
     finally:
         print("RESULT " + json.dumps({"results": RESULTS, "values": values}), flush=True)
         jax.distributed.shutdown()

@@ -136,7 +136,7 @@ def safe_squares(f: Factor):
     that flush (below ``2**-126``) add up to less than ``2**-26`` of the largest square's scale
     ``2**(2e-2)``."""
     size = f.values.shape[4]
-    e = f.exponent[0]
+    e = f.exponent[0].astype(jnp.float32)  # (exact; beside Python floats under strict promotion)
     fits = (2 * e + math.log2(size) <= 100) & (2 * e >= math.log2(size + 1) - 98)
     return fits | (e == ZERO_EXPONENT)
 
@@ -326,7 +326,7 @@ def safe(x: Factor, y: Factor):
     0, or not finite, either way)."""
     (_, _, h, k, sx), sy = x.shape, y.shape[4]
     size = math.log2(h * k * k * (sx + 1) * (sy + 1))  # >= log2 of every count of products
-    ex, ey = x.exponent, y.exponent
+    ex, ey = x.exponent.astype(jnp.float32), y.exponent.astype(jnp.float32)  # (as above)
     fits = (2 * (ex + ey) + size <= 100) & (2 * (ex + ey) >= size - 96) & (ex + ey >= size - 94)
     for e, s in ((ex, sx), (ey, sy)):  # each factor's own Gram
         fits &= (2 * e + math.log2(s) <= 110) & (2 * e >= size - 96)

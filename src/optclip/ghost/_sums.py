@@ -131,7 +131,8 @@ def balanced(w, e_record, e_grad, dtype):
 def _times(x, factors, axis: int):
     """`x` times each of `factors` (per example, along `axis`) in turn, rounded once to `x`'s
     dtype (float32 arithmetic for a float16 or bfloat16 `x`)."""
-    work = jnp.promote_types(x.dtype, factors[0].dtype)
+    wide = jnp.finfo(factors[0].dtype).bits > jnp.finfo(x.dtype).bits  # (named: strict promotion)
+    work = factors[0].dtype if wide else x.dtype
     out = x.astype(work)
     for f in factors:
         out = out * _at(f, x, axis).astype(work)
@@ -151,7 +152,7 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None, si
         record = [_kept(x, keep, depth) for x in record]
         cotangent = [_kept(g, keep, depth) for g in cotangent]
     if sides is not None and _bilinear(site, record, cotangent):
-        work = jnp.promote_types(record[0].dtype, jnp.float32)
+        work = _per_example._work_dtype(record[0].dtype)
         e_record, e_grad = sides
         on_record, on_grad = balanced(w, e_record, e_grad, work)
         record[0] = _times(record[0], on_record, depth)
