@@ -20,10 +20,6 @@ from reference import equations, run
 
 import optclip
 
-# The engine under strict dtype promotion (a silent upcast is an error), as optclip's core is:
-# users who set `jax_numpy_dtype_promotion="strict"` run it so.
-pytestmark = pytest.mark.usefixtures("strict_promotion")
-
 MODELS = {
     "mlp": gm.mlp,
     "sequence": gm.sequence,
@@ -650,8 +646,7 @@ def test_a_low_precision_model_of_single_rows_has_no_conditional_on_a_cpu_either
         assert "conditional(" not in text.as_text() and " while(" not in text.as_text()
     loss, params, x = gm.mlp(rng)
     for inputs in (x, x.astype(dtype)):
-        with jax.numpy_dtype_promotion("standard"):  # (the model mixes dtypes: its own upcast)
-            kept = counts(loss, params, inputs)
+        kept = counts(loss, params, inputs)
         assert kept["cond"] == 1 and kept["layout_constraint"] > 0 and kept["scan"] == 1, kept
     assert counts(*gm.sequence(rng, dtype=dtype))["cond"] == 2
 
@@ -1503,6 +1498,41 @@ def test_a_weight_held_by_a_sharding_constraint_stays_ghost(mode):
     check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
+STRICT = {  # (models written without implicit promotion, and the clip that sends each down
+    # its path: the common one, the norms' scaled one, the sums' shared factor, a dropped example)
+    "mlp": (gm.mlp, jnp.float32, 1.0),
+    "tied": (lambda rng, dtype: gm.embedding(rng, tied=True), jnp.float32, 1.0),
+    "transformer": (gm.transformer, jnp.float32, 0.5),
+    "conv": (gm.conv, jnp.float32, 1.0),
+    "recurrent in float16": (gm.recurrent, jnp.float16, 1e-4),
+    "sequence in bfloat16": (gm.sequence, jnp.bfloat16, 1.0),
+    "huge": (lambda rng, dtype: _large_inputs(3), jnp.float32, 1e-10),
+}
+
+
+@pytest.mark.parametrize("name", list(STRICT))
+def test_strict_dtype_promotion_gives_the_same_bits(name):
+    """Under ``jax_numpy_dtype_promotion="strict"`` the engine runs (its checks added Python
+    floats to int32 exponents, and low-precision sums promoted implicitly: TypePromotionError)
+    and gives the bits it gives under standard promotion: every dtype it uses is named. With a
+    non-finite example too (dropped: the sums' other path). The `jax.distributed` worker runs
+    it under strict promotion as well."""
+    build, dtype, clip = STRICT[name]
+    loss, params, x = build(np.random.default_rng(4), dtype=dtype)
+    batches = [x]
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        batches.append(x.at[1].set(jnp.inf))
+    for batch in batches:
+        out = {}
+        for promotion in ("standard", "strict"):  # (a step traced anew under each)
+            g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True)
+            with jax.numpy_dtype_promotion(promotion):
+                out[promotion] = jax.jit(g)(params, batch)
+        strict, standard = out["strict"], out["standard"]
+        for a, b in zip(jax.tree.leaves(strict), jax.tree.leaves(standard), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_static_python_arguments_stay_python():
     # As under `jax.vmap`: a Python flag neither differentiated nor batched stays a Python
     # value (the loss branches on it); a Python float parameter is differentiated.
@@ -1517,8 +1547,7 @@ def test_static_python_arguments_stay_python():
         _, sums = gm.reference(lambda p, x: flagged(p, x, True, 2.0), params, x, 1.0)
         assert_tree_close(grads, sums)
     f = lambda w, data: 0.5 * jnp.mean((data - w) ** 2)  # noqa: E731  (jax_privacy's example)
-    with jax.numpy_dtype_promotion("standard"):  # (its integer data minus a float)
-        assert float(optclip.clipped_grad(f, l2_clip_norm=jnp.inf)(3.0, jnp.array([0, 7, -2]))) == 4
+    assert float(optclip.clipped_grad(f, l2_clip_norm=jnp.inf)(3.0, jnp.array([0, 7, -2]))) == 4
     assert optclip.ghost_report(flagged, params, x, True, 2.0)["['w1']"].mode == "ghost"
 
 
