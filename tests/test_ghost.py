@@ -1017,6 +1017,14 @@ def _no_gradient_models(rng):
         (_, _, n), hs = lax.scan(step, start, None, length=3)
         return jnp.sum(hs**2), jnp.sum(n)
 
+    def carried(p, x):  # a parameter carried by a scan, in a carry the loss does not read
+        def step(carry, _):
+            h, e = carry
+            return (jnp.tanh(h @ p["u"]), jnp.sin(e)), None
+
+        (h, _), _ = lax.scan(step, (jnp.tanh(x @ p["w"]), p["e"]), None, length=3)
+        return jnp.sum(h**2)
+
     ghost, unused = "ghost", "unused"
     models = {
         "frozen": (frozen, False, (ghost, unused)),
@@ -1024,19 +1032,21 @@ def _no_gradient_models(rng):
         "tests": (tests, False, (ghost, unused)),
         "called": (called, False, (ghost, unused)),
         "scanned": (scanned, True, (ghost, unused)),
+        "carried": (carried, False, (ghost, unused)),
     }
     return models, params, x
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("name", ["frozen", "aux", "tests", "called", "scanned"])
+@pytest.mark.parametrize("name", ["frozen", "aux", "tests", "called", "scanned", "carried"])
 def test_a_use_no_gradient_flows_back_from_is_no_site(name, mode):
     # A parameter used only where no gradient flows back to it (`stop_gradient`, comparisons,
     # `sign`, `argmax`, `round`, an output of a nested call the loss does not use, `has_aux`'s
     # outputs) has a zero gradient: it is `unused`, no per-example copy of it is formed (a
     # frozen embedding's would be a table per example), and a leaf used there and by a dense
     # layer stays ghost. Inside a scan, a carry the loss reads only through a later step
-    # (`s`) is reached: `u`'s use on it counts.
+    # (`s`) is reached: `u`'s use on it counts; a parameter in a carry it does not reach is
+    # no use, and the scan's dense layer stays ghost (both were materialised before).
     models, params, x = _no_gradient_models(np.random.default_rng(41))
     loss, has_aux, modes = models[name]
     report = optclip.ghost_report(loss, params, x, has_aux=has_aux)
@@ -1510,13 +1520,14 @@ STRICT = {  # (models written without implicit promotion, and the clip that send
 }
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("name", list(STRICT))
-def test_strict_dtype_promotion_gives_the_same_bits(name):
+def test_strict_dtype_promotion_gives_the_same_bits(name, mode):
     """Under ``jax_numpy_dtype_promotion="strict"`` the engine runs (its checks added Python
     floats to int32 exponents, and low-precision sums promoted implicitly: TypePromotionError)
-    and gives the bits it gives under standard promotion: every dtype it uses is named. With a
-    non-finite example too (dropped: the sums' other path). The `jax.distributed` worker runs
-    it under strict promotion as well."""
+    and gives the bits it gives under standard promotion, jitted and eager: every dtype it uses
+    is named. With a non-finite example too (dropped: the sums' other path). The
+    `jax.distributed` worker runs it under strict promotion as well."""
     build, dtype, clip = STRICT[name]
     loss, params, x = build(np.random.default_rng(4), dtype=dtype)
     batches = [x]
@@ -1527,7 +1538,7 @@ def test_strict_dtype_promotion_gives_the_same_bits(name):
         for promotion in ("standard", "strict"):  # (a step traced anew under each)
             g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True)
             with jax.numpy_dtype_promotion(promotion):
-                out[promotion] = jax.jit(g)(params, batch)
+                out[promotion] = run(g, mode)(params, batch)
         strict, standard = out["strict"], out["standard"]
         for a, b in zip(jax.tree.leaves(strict), jax.tree.leaves(standard), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

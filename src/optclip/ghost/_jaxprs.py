@@ -14,6 +14,7 @@ carries are passed through).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +65,18 @@ def is_float(var) -> bool:
     return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
 
 
+class Flow(NamedTuple):
+    """Where the gradient passes through one equation: the indices of its `outputs` it
+    reaches, and the positions of the `operands` it is passed back to."""
+
+    outputs: set
+    operands: frozenset
+
+
 def flows(jaxpr, live_out) -> dict:
-    """``{equation index: the indices of its outputs the gradient reaches}`` for the equations
-    of `jaxpr` that pass the gradient back to their operands, given the indices of its outputs
-    the gradient starts from (`live_out`: the loss's, for the traced loss)."""
+    """``{equation index: Flow}`` for the equations of `jaxpr` that pass the gradient back to
+    their operands, given the indices of its outputs the gradient starts from (`live_out`: the
+    loss's, for the traced loss)."""
     return _walk(jaxpr, live_out)[0]
 
 
@@ -81,8 +90,13 @@ def _walk(jaxpr, live_out):
         name = eqn.primitive.name
         if not reached or name in NO_GRADIENT or (name in PRODUCTS and any(map(empty, eqn.invars))):
             continue
-        out[index], operands = _operands(eqn, reached)
-        live |= {v for v in operands if _floating(v)}
+        outputs, operands = _operands(eqn, reached)
+        passed = {v for v in operands if _floating(v)}
+        at = frozenset(
+            p for p, v in enumerate(eqn.invars) if isinstance(v, jcore.Var) and v in passed
+        )
+        out[index] = Flow(outputs, at)
+        live |= passed
     return out, live & set(jaxpr.invars)
 
 

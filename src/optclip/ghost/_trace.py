@@ -168,27 +168,31 @@ class Plan:
 def analyse(jaxpr, views: dict, live_out, ids=None):
     """The `Plan` of `jaxpr` given the views among its input variables and the indices of its
     outputs the loss's gradient starts from (`live_out`), and the views among those outputs
-    (``{output index: View}``). An equation that passes no gradient back to its operands
-    (`_jaxprs.flows`) is neither a view nor a site."""
+    (``{output index: View}``). A use is a view among the operands the gradient is passed back
+    to (`_jaxprs.flows`: not through a ``stop_gradient``, a comparison, an array with no
+    entries, a scan of no steps...); an equation with none is neither a view nor a site."""
     ids = itertools.count() if ids is None else ids
     views = dict(views)
     plan = Plan()
     keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
     reach = _jaxprs.flows(jaxpr, live_out)
     for index, eqn in enumerate(jaxpr.eqns):
-        used = tuple(  # (no gradient flows back to a view with no entries)
+        flow = reach.get(index)
+        if flow is None:
+            continue
+        used = tuple(
             (pos, views[v])
             for pos, v in enumerate(eqn.invars)
-            if isinstance(v, jcore.Var) and v in views and not _jaxprs.empty(v)
+            if pos in flow.operands and v in views
         )
-        if not used or index not in reach:
+        if not used:
             continue
         name = eqn.primitive.name
         if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _jaxprs.is_float(eqn.outvars[0]):
             views[eqn.outvars[0]] = used[0][1].then(eqn)
             continue
         if name == "scan":
-            subplan = _scan(eqn, used, reach[index], ids)
+            subplan = _scan(eqn, used, flow.outputs, ids)
             if subplan is not None:
                 plan.subplans[index] = subplan
                 continue
@@ -199,7 +203,7 @@ def analyse(jaxpr, views: dict, live_out, ids=None):
         inner = _jaxprs.sub_jaxpr(eqn)
         if inner is not None:
             sub_views = {inner[0].invars[pos]: view for pos, view in used}
-            subplan, out_views = analyse(inner[0], sub_views, reach[index], ids)
+            subplan, out_views = analyse(inner[0], sub_views, flow.outputs, ids)
             if subplan.sites or subplan.subplans:
                 plan.subplans[index] = subplan
             for i, view in out_views.items():
@@ -244,8 +248,6 @@ def _scan(eqn, used, live_out, ids):
     length = eqn.params["length"]
     if any(consts <= pos < consts + carry for pos, _ in used):
         return None
-    if length == 0:  # (no step runs: no use inside counts)
-        return Plan()
     inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
     subplan, out_views = analyse(body, inner, live_out, ids)
     if out_views:
