@@ -975,8 +975,8 @@ def test_report_names_each_leaf_and_why():
 def _no_gradient_models(rng):
     """Losses that use a parameter where no gradient flows back, beside the dense uses that
     make its per-example gradient worth not forming: ``{name: (loss, has_aux, modes)}``, where
-    `modes` are the ghost report's modes of the leaves `u` (dense, and also used where no
-    gradient flows) and `e` (only used there)."""
+    `modes` are the ghost report's modes of the leaves `u` (dense, and in most models also used
+    where no gradient flows) and `e` (only used there, or not at all)."""
     params = {
         "w": jnp.asarray(rng.normal(size=(4, 3)) * 0.5, jnp.float32),
         "u": jnp.asarray(rng.normal(size=(3, 3)) * 0.5, jnp.float32),
@@ -1025,6 +1025,14 @@ def _no_gradient_models(rng):
         (h, _), _ = lax.scan(step, (jnp.tanh(x @ p["w"]), p["e"]), None, length=3)
         return jnp.sum(h**2)
 
+    def twice(p, x):  # `u` read by each step, and also carried where the loss does not read
+        def step(carry, _):
+            h, u = carry
+            return (jnp.tanh(h @ p["u"]), jnp.sin(u)), None
+
+        (h, _), _ = lax.scan(step, (jnp.tanh(x @ p["w"]), p["u"]), None, length=3)
+        return jnp.sum(h**2)
+
     ghost, unused = "ghost", "unused"
     models = {
         "frozen": (frozen, False, (ghost, unused)),
@@ -1033,12 +1041,15 @@ def _no_gradient_models(rng):
         "called": (called, False, (ghost, unused)),
         "scanned": (scanned, True, (ghost, unused)),
         "carried": (carried, False, (ghost, unused)),
+        "twice": (twice, False, (ghost, unused)),
     }
     return models, params, x
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("name", ["frozen", "aux", "tests", "called", "scanned", "carried"])
+@pytest.mark.parametrize(
+    "name", ["frozen", "aux", "tests", "called", "scanned", "carried", "twice"]
+)
 def test_a_use_no_gradient_flows_back_from_is_no_site(name, mode):
     # A parameter used only where no gradient flows back to it (`stop_gradient`, comparisons,
     # `sign`, `argmax`, `round`, an output of a nested call the loss does not use, `has_aux`'s
@@ -1046,7 +1057,9 @@ def test_a_use_no_gradient_flows_back_from_is_no_site(name, mode):
     # frozen embedding's would be a table per example), and a leaf used there and by a dense
     # layer stays ghost. Inside a scan, a carry the loss reads only through a later step
     # (`s`) is reached: `u`'s use on it counts; a parameter in a carry it does not reach is
-    # no use, and the scan's dense layer stays ghost (both were materialised before).
+    # no use, and the scan's dense layer stays ghost (both were materialised before), also
+    # where that parameter is the one the steps read (`twice`: one variable passed to the
+    # scan twice, reached at one position only).
     models, params, x = _no_gradient_models(np.random.default_rng(41))
     loss, has_aux, modes = models[name]
     report = optclip.ghost_report(loss, params, x, has_aux=has_aux)

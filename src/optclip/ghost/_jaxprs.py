@@ -88,29 +88,28 @@ def _walk(jaxpr, live_out):
         eqn = jaxpr.eqns[index]
         reached = {i for i, v in enumerate(eqn.outvars) if v in live}
         name = eqn.primitive.name
-        if not reached or name in NO_GRADIENT or (name in PRODUCTS and any(map(empty, eqn.invars))):
+        zero = name in NO_GRADIENT or (name in PRODUCTS and any(map(_empty, eqn.invars)))
+        if not reached or zero:
             continue
-        outputs, operands = _operands(eqn, reached)
-        passed = {v for v in operands if _floating(v)}
-        at = frozenset(
-            p for p, v in enumerate(eqn.invars) if isinstance(v, jcore.Var) and v in passed
-        )
+        outputs, positions = _operands(eqn, reached)
+        at = frozenset(p for p in positions if _floating(eqn.invars[p]))
         out[index] = Flow(outputs, at)
-        live |= passed
+        live |= {eqn.invars[p] for p in at}
     return out, live & set(jaxpr.invars)
 
 
 def _operands(eqn, reached: set):
     """The outputs of `eqn` the gradient reaches (for a `scan`, with the carries they feed
-    back), and the operands it reaches from them: inside a scan or a call, through the
-    equations of its body; any other equation (a `cond`, a custom derivative), every one."""
+    back), and the positions of the operands it reaches from them: inside a scan or a call,
+    through the equations of its body (by position: one variable passed at two positions may
+    be reached at one only); any other equation (a `cond`, a custom derivative), every one."""
     body = inner_jaxpr(eqn)
     if body is None:
-        return reached, list(eqn.invars)
+        return reached, range(len(eqn.invars))
     if eqn.primitive.name == "scan":
         consts, carries = scan_counts(eqn)
         if eqn.params["length"] == 0:  # (no step: each carry is returned as it came)
-            return reached, [eqn.invars[consts + j] for j in reached if j < carries]
+            return reached, [consts + j for j in reached if j < carries]
         while True:  # a carry the gradient reaches is reached at every iteration
             inner = _walk(body, reached)[1]
             more = {j for j in range(carries) if body.invars[consts + j] in inner}
@@ -119,15 +118,15 @@ def _operands(eqn, reached: set):
             reached = reached | more
     else:
         inner = _walk(body, reached)[1]
-    return reached, [v for v, w in zip(eqn.invars, body.invars, strict=True) if w in inner]
+    return reached, [p for p, w in enumerate(body.invars) if w in inner]
 
 
 def _floating(var) -> bool:
     """Whether a gradient can flow through `var`: a floating-point variable with entries."""
-    return isinstance(var, jcore.Var) and is_float(var) and not empty(var)
+    return isinstance(var, jcore.Var) and is_float(var) and not _empty(var)
 
 
-def empty(var) -> bool:
+def _empty(var) -> bool:
     """Whether `var` (a variable or a literal) has no entries."""
     return math.prod(getattr(var.aval, "shape", ())) == 0
 
