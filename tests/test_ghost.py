@@ -71,13 +71,18 @@ def test_every_model_method_and_threshold(name, clip, method, mode):
 @pytest.mark.parametrize("magnitude", [1e22, 1e-24])
 def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
     # Dense layers and an embedding, whose closed forms multiply four factors: output
-    # gradients of that magnitude, then layer inputs of that magnitude.
+    # gradients of that magnitude, then layer inputs of that magnitude. Beside a parameter the
+    # loss does not use (its zero set the scale of the others' sum: every norm of 1e-24
+    # flushed to 0).
     loss, params, ids = gm.embedding(np.random.default_rng(2))
     scaled = lambda p, i: loss(p, i) * magnitude  # noqa: E731
-    check_against_reference(scaled, params, ids, 1.0)
+    unused = {"unused": jnp.ones(3)}
+    for p in (params, {**params, **unused}):
+        check_against_reference(scaled, p, ids, 1.0)
     _, params, x = gm.mlp(np.random.default_rng(2))
     linear = lambda p, x: jnp.sum(jnp.sin(x @ p["w1"] * (1 / magnitude)) @ p["w2"])  # noqa: E731
-    check_against_reference(linear, params, x * magnitude, 1.0)
+    for p in (params, {**params, **unused}):
+        check_against_reference(linear, p, x * magnitude, 1.0)
 
 
 def on_platform(jaxpr, platform, scanned=False):
