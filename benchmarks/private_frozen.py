@@ -1,15 +1,21 @@
-"""Private fine-tuning with a frozen embedding: memory of each per-example clipping method.
+"""Private training of models the ghost engine once materialised: memory of each per-example
+clipping method.
 
-    python benchmarks/private_frozen.py [--quick] [--batches 16 64] [--json out.json]
+    python benchmarks/private_frozen.py [--quick] [--model frozen|scaled] [--batches 16 64]
+        [--json out.json]
 
-A language model whose token embedding is frozen (``lax.stop_gradient(table)``, vocabulary
-8192, d=256) and tied to its output, with learned positions looked up at ``jnp.arange(T)``
-(T=32) and a trainable dense layer: what fine-tuning a pretrained model's upper layers with
-DP-SGD looks like. Side by side in one process, XLA's compiled memory analysis of each jitted
-step (arguments + outputs + temporaries, less what outputs alias; no run), as a ratio to the
-non-private step: ``optclip.clipped_grad`` (the frozen table's uses pass no gradient back: no
-per-example copy of it), ``jax_privacy.clipped_grad`` and ``jax.vmap(jax.grad)`` +
-``per_example_clip`` (each forms the table's per-example gradients, zeros), as
+``--model frozen`` (the default): a language model whose token embedding is frozen
+(``lax.stop_gradient(table)``, vocabulary 8192, d=256) and tied to its output, with learned
+positions looked up at ``jnp.arange(T)`` (T=32) and a trainable dense layer: what fine-tuning a
+pretrained model's upper layers with DP-SGD looks like. ``--model scaled``: a language model
+whose weights are multiplied by numbers written in the loss before their layers, as muP
+parametrises them (unit-variance weights; the embedding, 4 residual dense blocks times
+``1/sqrt(d)`` and the output layer times ``1/d``; vocabulary 8192, d=256, T=32). Side by side
+in one process, XLA's compiled memory analysis of each jitted step (arguments + outputs +
+temporaries, less what outputs alias; no run), as a ratio to the non-private step:
+``optclip.clipped_grad`` (the frozen table's uses pass no gradient back, the scaled weights are
+views: no per-example copy of either), ``jax_privacy.clipped_grad`` and ``jax.vmap(jax.grad)``
++ ``per_example_clip`` (each forms every leaf's per-example gradient), as
 ``benchmarks/private.py`` runs them (jax_privacy in microbatches past ``--budget-gib``).
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import sys
 
@@ -50,9 +57,34 @@ def frozen_model(vocab: int, d: int, seq: int, seed: int = 0):
     return loss, params
 
 
-def measure(batches, quick: bool, budget_gib: float) -> list[dict]:
+def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
+    """``(loss, params)``: unit-variance weights, each multiplied by a number written in the
+    loss before its layer (muP's multipliers: ``1/sqrt(d)`` for the blocks, ``1/d`` for the
+    output layer)."""
+    rng = np.random.default_rng(seed)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
+    params = {
+        "embed": normal(vocab, d),
+        "blocks": [normal(d, d) for _ in range(blocks)],
+        "head": normal(d, vocab),
+    }
+
+    def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
+        h = p["embed"][ids]
+        for w in p["blocks"]:
+            h = h + jnp.tanh(h @ (w * (1 / math.sqrt(d))))
+        logp = jax.nn.log_softmax((h @ (p["head"] * (1 / d)))[:, :-1])
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+
+    return loss, params
+
+
+MODELS = {"frozen": frozen_model, "scaled": scaled_model}
+
+
+def measure(batches, quick: bool, budget_gib: float, model: str = "frozen") -> list[dict]:
     vocab, d, seq = (64, 8, 6) if quick else (8192, 256, 32)
-    loss, params = frozen_model(vocab, d, seq)
+    loss, params = MODELS[model](vocab, d, seq)
     n_params = models.parameter_count(params)
     rows = []
     for size in batches:
@@ -73,10 +105,11 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a tiny model")
     parser.add_argument("--batches", type=_timing.count, nargs="+", default=[16, 64])
     parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
+    parser.add_argument("--model", choices=sorted(MODELS), default="frozen")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    rows = measure(args.batches, args.quick, args.budget_gib)
-    print(f"frozen embedding, memory: jax {jax.__version__}, {jax.default_backend()}")
+    rows = measure(args.batches, args.quick, args.budget_gib, args.model)
+    print(f"{args.model} model, memory: jax {jax.__version__}, {jax.default_backend()}")
     for r in rows:
         note = f"  ({r['note']})" if r["note"] else ""
         print(

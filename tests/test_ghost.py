@@ -16,6 +16,7 @@ from ghost_models import RTOL, assert_tree_close
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from reference import equations, run
 
 import optclip
@@ -1524,6 +1525,110 @@ def test_a_weight_held_by_a_sharding_constraint_stays_ghost(mode):
     report = optclip.ghost_report(loss, params, x)
     assert [r.mode for r in report.values()] == ["ghost", "ghost"], report
     check_against_reference(loss, params, x, 1.0, mode=mode)
+
+
+def _scaled_models(rng):
+    """Losses whose weights are scaled by a number written in the loss, named for a
+    rematerialisation policy, or passed through an optimization barrier before their layer:
+    ``{name: (loss, params, batch, the report's mode of the weight, its reason's end)}``."""
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)  # noqa: E731
+    x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 7, size=(5, 4)))
+    conv = functools.partial(lax.conv_general_dilated, dimension_numbers=("NWC", "WIO", "NWC"))
+    dense = lambda f: (lambda p, x: jnp.sum(jnp.sin(x @ f(p["w"]))), (6, 6))  # noqa: E731
+    # (linear in the product: a sine of 1e25 is not float64's in float32)
+    linear = lambda f: (lambda p, x: jnp.sum((x @ f(p["w"])) * x), (6, 6))  # noqa: E731
+    barrier = lambda v: lax.optimization_barrier((v, 0.0))[0]  # noqa: E731
+    policy = jax.checkpoint_policies.save_only_these_names("w")
+
+    def named(p, x):  # (a block under `remat` whose policy saves the named weight)
+        block = lambda h, v: jnp.tanh(h @ checkpoint_name(v, "w"))  # noqa: E731
+        return jnp.sum(jax.checkpoint(block, policy=policy)(x, p["w"]))
+
+    def stacked(p, x):  # each layer's slice scaled inside the scan
+        return jnp.sum(lax.scan(lambda h, v: (jnp.tanh(h @ (v * 0.3)), None), x, p["w"])[0])
+
+    def tied(p, x):  # two uses, one scale: the cross term scaled by its square
+        v = p["w"] * 0.5
+        return jnp.sum(jnp.sin(jnp.tanh(x @ v) @ v.T))
+
+    def unequal(p, x):  # two uses, two scales: no closed cross term
+        return jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * 0.5)) @ p["w"]))
+
+    models = {
+        "times": (*dense(lambda v: v * 0.5), "ghost", "scaled by 0.5"),
+        "times on the left": (*dense(lambda v: 2.0 * v), "ghost", "scaled by 2"),
+        "divided": (*dense(lambda v: v / 3.0), "ghost", "scaled by 0.333333"),
+        "negated and transposed": (*dense(lambda v: -v.T), "ghost", "scaled by -1"),
+        "a chain": (*dense(lambda v: (-(v * 0.5) / 4.0).T), "ghost", "scaled by -0.125"),
+        "huge": (*linear(lambda v: v * 1e25), "ghost", "scaled by 1e+25"),
+        "tiny": (*linear(lambda v: v * np.float32(1e-25)), "ghost", "scaled by 1e-25"),
+        "behind a barrier": (*dense(barrier), "ghost", "dense"),
+        "named": (named, (6, 6), "ghost", "dense"),
+        "stacked": (stacked, (3, 6, 6), "ghost", "scaled by 0.3"),
+        "tied": (tied, (6, 6), "ghost", "with cross terms, scaled by 0.5"),
+        "unequal": (unequal, (6, 6), "materialised", "used scaled by different numbers"),
+        "a table": (
+            lambda p, i: jnp.sum(jnp.sin((p["w"] * 2.0)[i])),
+            (7, 6),
+            "ghost",
+            "scaled by 2",
+        ),
+        "a kernel": (
+            lambda p, x: jnp.sum(jnp.sin(conv(x, p["w"] * 0.5, (1,), "SAME"))),
+            (3, 6, 4),
+            "ghost",
+            "scaled by 0.5",
+        ),
+    }
+    return {
+        name: (loss, {"w": w(*shape)}, ids if name == "a table" else x, mode, why)
+        for name, (loss, shape, mode, why) in models.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", list(_scaled_models(np.random.default_rng(0))))
+def test_a_weight_scaled_named_or_behind_a_barrier_stays_ghost(name, mode):
+    """A weight multiplied or divided by a number written in the loss, or negated (muP's and
+    an equalised learning rate's multipliers), is a view: its norm is the number's absolute
+    value times the view's, exact where the squares overflow or flush ("huge", "tiny"); two
+    uses scaled alike keep their cross term, scaled differently are materialised. A weight
+    named for a rematerialisation policy (`checkpoint_name`) or behind an
+    `optimization_barrier` is the weight itself. Each was materialised, a weight per example."""
+    loss, params, batch, expected, why = _scaled_models(np.random.default_rng(43))[name]
+    report = optclip.ghost_report(loss, params, batch)
+    assert (report["['w']"].mode, why in report["['w']"].reason) == (expected, True), str(report)
+    check_against_reference(loss, params, batch, 1.0, mode=mode)
+
+
+@pytest.mark.parametrize("number", ["w / 0", "w * inf", "w * nan"])
+def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number):
+    """Such a "scale" is left to JAX (a site: the weight materialised), so that its
+    infinities and NaNs are JAX's own: the same norms and sums as the materialising way."""
+    scale = {"w / 0": lambda w: w / 0.0, "w * inf": lambda w: w * np.inf}.get(
+        number, lambda w: w * np.nan
+    )
+    loss = lambda p, x: jnp.sum(jnp.sin(x @ scale(p["w"])))  # noqa: E731
+    params, x = {"w": jnp.ones((3, 2))}, jnp.ones((4, 3))
+    assert optclip.ghost_report(loss, params, x)["['w']"].mode == "materialised"
+    out = {}
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method=method)
+        out[method] = jax.jit(g)(params, x)
+    np.testing.assert_array_equal(out["auto"][1].grad_norms, out["vmap"][1].grad_norms)
+    np.testing.assert_array_equal(out["auto"][0]["w"], out["vmap"][0]["w"])
+
+
+def test_a_scaled_bfloat16_weight_stays_ghost():
+    """A bfloat16 weight scaled by a bfloat16 number: ghost, and within bfloat16's rounding of
+    the materialising way (its pull-back through the scale in float32)."""
+    rng = np.random.default_rng(44)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 0.5, jnp.bfloat16)}
+    x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.bfloat16)
+    loss = lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * 0.375)).astype(jnp.float32))  # noqa: E731
+    assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
+    gm.assert_as_vmap_to_bfloat16_rounding(loss, params, x, 0.5)
 
 
 STRICT = {  # (models written without implicit promotion, and the clip that sends each down

@@ -41,7 +41,8 @@ LAYERS = [
     ["ghost.__init__"],  # its docstring: the engine's map
     ["ghost._args"],  # `clipped_grad`'s arguments (jax_privacy's conventions), checked
     ["ghost._jaxprs"],  # reading the loss's jaxpr: calls, scans, where the gradient flows
-    ["ghost._trace"],  # where the parameters are used: views, sites, plans (jaxpr walk)
+    ["ghost._views"],  # views of a parameter: shape-only operations, scalings, scan entries
+    ["ghost._trace"],  # where the parameters are used: sites and plans (the jaxpr walk)
     ["ghost._interpret"],  # the per-example loss evaluated with taps at the sites
     ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms
     ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,7 @@ class LeafPlan:
     swapped: list
     reason: str
     groups: list = dataclasses.field(default_factory=list)  # uses whose cross terms count
+    scale: float = 1.0  # every use's view's (`_views.View.scale`): the norm is |scale| times
 
 
 def plan_leaves(sites, count: int):
@@ -60,6 +62,10 @@ def _leaf_plan(uses) -> LeafPlan:
         return LeafPlan("materialised", uses, [], why)
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
+    scales = {view.scale for _, _, view in uses}
+    if len(scales) > 1:
+        why = "used scaled by different numbers (no closed cross term written)"
+        return LeafPlan("materialised", uses, [], why)
     groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
     for i, (site, _, _) in enumerate(uses):
         groups.setdefault(site.layout[3], []).append(i)
@@ -82,7 +88,9 @@ def _leaf_plan(uses) -> LeafPlan:
     why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
     if any(len(m) > 1 for m in groups.values()):
         why += " with cross terms"
-    return LeafPlan("ghost", uses, swapped, why, list(groups.values()))
+    if scales != {1.0}:
+        why += f", scaled by {scales.pop():g}"
+    return LeafPlan("ghost", uses, swapped, why, list(groups.values()), uses[0][2].scale)
 
 
 def ghost_sites(leaf_plans) -> dict:
@@ -129,7 +137,13 @@ def ghost_terms(leaf_plan, uses, acc, scaled: bool):
         _factors.over_layers(_factors.leaf_terms([uses[i] for i in group], acc, scaled))
         for group in leaf_plan.groups
     ]
-    return _factors.add_terms(terms)
+    exponent, value = _factors.add_terms(terms)
+    if leaf_plan.scale == 1.0:
+        return exponent, value
+    # The views' scale, ``m * 2**k``: the squared norm times ``m**2 * 4**k``, its power of two
+    # in the exponent (a scale whose square overflows or flushes stays exact).
+    m, k = math.frexp(abs(leaf_plan.scale))
+    return exponent + k, value * jnp.asarray(m * m, value.dtype)
 
 
 def equation(site):

@@ -1,9 +1,8 @@
 """Where the parameters are used: a static walk of the per-example loss's jaxpr.
 
-A *view* of a parameter leaf is the leaf after linear, shape-only operations (a dtype
-conversion, reshape, transpose, broadcast, squeeze, copy), kept as the chain of those operations
-so that a gradient can be pulled back through them. Every other equation with a view among its
-operands that passes the loss's gradient back to them (`_jaxprs.flows`: not a
+A *view* of a parameter leaf is the leaf after linear, shape-only operations, scalings by a
+number written in the loss and identities (`_views.View`). Every other equation with a view
+among its operands that passes the loss's gradient back to them (`_jaxprs.flows`: not a
 ``stop_gradient``, a comparison, or a value only ``has_aux``'s outputs read) is a *site*: its
 output gets a tap, its other operands are recorded, and its per-example gradient (or only
 that gradient's norm) is computed from them. A site is
@@ -20,116 +19,15 @@ their sites are found inside them (`Plan.subplans`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 from jax.extend import core as jcore
 
-from optclip.ghost import _jaxprs
+from optclip.ghost import _jaxprs, _views
 
-VIEW_PRIMITIVES = frozenset(
-    {
-        "convert_element_type",
-        "reshape",
-        "transpose",
-        "broadcast_in_dim",
-        "squeeze",
-        "copy",
-        "copy_p",
-        "expand_dims",
-        "slice",
-        "sharding_constraint",  # (`with_sharding_constraint` on a weight: where it is held)
-    }
-)
-# Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
-PLAIN_PRIMITIVES = frozenset(
-    {"convert_element_type", "transpose", "copy", "copy_p", "sharding_constraint"}
-)
 ELEMENTWISE = frozenset({"add", "add_any", "sub", "mul", "neg", "div"})
-SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
-
-
-@dataclasses.dataclass(frozen=True)
-class View:
-    """A parameter leaf (its index among the parameter leaves) after `chain`: the
-    ``(primitive, params)`` of the view operations applied to it, first to last."""
-
-    leaf: int
-    shape: tuple = ()  # the leaf's
-    chain: tuple = ()
-
-    def then(self, eqn) -> View:
-        return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
-
-    def enter_scan(self, sliced: bool, length: int) -> View:
-        """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
-        operand) or the whole view at every iteration (a constant)."""
-        return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
-
-    @property
-    def depth(self) -> int:
-        """How many `scan` bodies the view is inside."""
-        return sum(isinstance(p, str) for p, _ in self.chain)
-
-    def stacked(self, value):
-        """The view of the leaf's `value` at every iteration of the scans it is inside:
-        shape ``(*lengths, *view shape)`` (a constant is broadcast along its scan's axis)."""
-        depth = 0
-        for primitive, params in self.chain:
-            if primitive == SLICED:
-                depth += 1
-            elif primitive == CONSTANT:
-                value = jnp.broadcast_to(
-                    jnp.expand_dims(value, depth),
-                    (*value.shape[:depth], params, *value.shape[depth:]),
-                )
-                depth += 1
-            else:
-                bind = functools.partial(primitive.bind, **params)
-                for _ in range(depth):
-                    bind = jax.vmap(bind)
-                value = bind(value)
-        return value
-
-    def leaf_dims(self):
-        """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
-        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
-        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
-        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
-        for any other chain (a reshape, a broadcast, a slice of a range)."""
-        dims, shape = list(range(len(self.shape))), list(self.shape)
-        levels: list[int | None] = []
-        pins: dict[int, int] = {}
-        for primitive, params in self.chain:
-            if primitive == SLICED:
-                levels.append(dims.pop(0))
-                shape.pop(0)
-            elif primitive == CONSTANT:
-                levels.append(None)
-            elif primitive.name == "transpose":
-                dims = [dims[i] for i in params["permutation"]]
-                shape = [shape[i] for i in params["permutation"]]
-            elif primitive.name == "slice":
-                strides = params["strides"] or (1,) * len(shape)
-                for d, (lo, hi, st) in enumerate(
-                    zip(params["start_indices"], params["limit_indices"], strides, strict=True)
-                ):
-                    if hi - lo == 1 and shape[d] > 1:
-                        pins[dims[d]] = lo
-                        shape[d] = 1
-                    elif (lo, hi, st) != (0, shape[d], 1):
-                        return None
-            elif primitive.name == "squeeze":
-                for d in params["dimensions"]:
-                    pins.setdefault(dims[d], 0)
-                dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
-                shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
-            elif primitive.name not in PLAIN_PRIMITIVES:
-                return None
-        return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
 
 
 @dataclasses.dataclass
@@ -188,8 +86,16 @@ def analyse(jaxpr, views: dict, live_out, ids=None):
         if not used:
             continue
         name = eqn.primitive.name
-        if name in VIEW_PRIMITIVES and len(eqn.invars) == 1 and _jaxprs.is_float(eqn.outvars[0]):
+        if name in _views.IDENTITIES:
+            views.update((eqn.outvars[pos], view) for pos, view in used)
+            continue
+        single = len(eqn.invars) == 1 and _jaxprs.is_float(eqn.outvars[0])
+        if name in _views.VIEW_PRIMITIVES and single:
             views[eqn.outvars[0]] = used[0][1].then(eqn)
+            continue
+        number = _views.scaling(eqn, used)
+        if number is not False:
+            views[eqn.outvars[0]] = used[0][1].times(eqn, number)
             continue
         if name == "scan":
             subplan = _scan(eqn, used, flow.outputs, ids)
@@ -374,7 +280,7 @@ def trace(fun, args, param_mask):
     leaf = 0
     for var, is_param in zip(jaxpr.invars, param_mask, strict=True):
         if is_param:
-            views[var] = View(leaf, tuple(var.aval.shape))
+            views[var] = _views.View(leaf, tuple(var.aval.shape))
             leaf += 1
     plan, _ = analyse(jaxpr, views, {0})  # (the loss; `has_aux`'s outputs follow it)
     return closed, out_shape, plan

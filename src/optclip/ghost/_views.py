@@ -1,0 +1,177 @@
+"""Views of a parameter leaf: the leaf after the operations that leave its gradient in closed
+form, kept as a chain so that a gradient can be pulled back through them.
+
+A view is the leaf after linear, shape-only operations (a dtype conversion, reshape,
+transpose, broadcast, squeeze, copy, slice, a sharding constraint), after scalings by a number
+written in the loss (``w * 0.5``, ``2.0 * w``, ``w / 3.0``, ``-w``: muP's or an equalised
+learning rate's multipliers; the gradient of the leaf is that number times the view's, so a
+ghost norm is its absolute value times the view's), and inside the `scan` bodies it enters
+(sliced as stacked layers, or the same at every step). An identity that only names or orders
+it (``checkpoint_name`` for a rematerialisation policy, ``optimization_barrier``) leaves the
+view as it is. `_trace` builds views while it walks the loss's jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+
+from optclip.ghost import _jaxprs
+
+VIEW_PRIMITIVES = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "copy",
+        "copy_p",
+        "expand_dims",
+        "slice",
+        "sharding_constraint",  # (`with_sharding_constraint` on a weight: where it is held)
+    }
+)
+# Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
+PLAIN_PRIMITIVES = frozenset(
+    {"convert_element_type", "transpose", "copy", "copy_p", "sharding_constraint"}
+)
+# Operations whose outputs are their operands, each its own (a name for rematerialisation
+# policies, an ordering for XLA): a view passes through them unchanged.
+IDENTITIES = frozenset({"name", "optimization_barrier"})
+SCALINGS = frozenset({"mul", "div", "neg"})  # by a scalar written in the loss: `scaling`
+SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
+SCALED = "scale"  # chain entry: the view times a number (`View.scale`)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A parameter leaf (its index among the parameter leaves) after `chain`: the
+    ``(primitive, params)`` of the view operations applied to it, first to last; an entry into
+    a scan's body is ``(SLICED or CONSTANT, its length)``, a scaling ``(SCALED, (primitive,
+    params, number))``."""
+
+    leaf: int
+    shape: tuple = ()  # the leaf's
+    chain: tuple = ()
+
+    def then(self, eqn) -> View:
+        return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
+
+    def times(self, eqn, number) -> View:
+        """The view after `eqn`, a `scaling` of it by `number` (None for a negation)."""
+        scaled = (eqn.primitive, dict(eqn.params), number)
+        return View(self.leaf, self.shape, self.chain + ((SCALED, scaled),))
+
+    @property
+    def scale(self) -> float:
+        """The number the chain multiplies the leaf by (1.0 for none): the gradient of the
+        leaf is this times the view's."""
+        out = 1.0
+        for primitive, params in self.chain:
+            if primitive == SCALED:
+                scaling, _, number = params
+                if scaling.name == "neg":
+                    out = -out
+                else:
+                    out = out * float(number) if scaling.name == "mul" else out / float(number)
+        return out
+
+    def enter_scan(self, sliced: bool, length: int) -> View:
+        """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
+        operand) or the whole view at every iteration (a constant)."""
+        return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
+
+    @property
+    def depth(self) -> int:
+        """How many `scan` bodies the view is inside."""
+        return sum(p in (SLICED, CONSTANT) for p, _ in self.chain)
+
+    def stacked(self, value):
+        """The view of the leaf's `value` at every iteration of the scans it is inside:
+        shape ``(*lengths, *view shape)`` (a constant is broadcast along its scan's axis)."""
+        depth = 0
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                depth += 1
+            elif primitive == CONSTANT:
+                value = jnp.broadcast_to(
+                    jnp.expand_dims(value, depth),
+                    (*value.shape[:depth], params, *value.shape[depth:]),
+                )
+                depth += 1
+            elif primitive == SCALED:
+                scaling, bound, number = params
+                operands = () if number is None else (jnp.asarray(number, value.dtype),)
+                value = scaling.bind(value, *operands, **bound)  # (shape (): any depth)
+            else:
+                bind = functools.partial(primitive.bind, **params)
+                for _ in range(depth):
+                    bind = jax.vmap(bind)
+                value = bind(value)
+        return value
+
+    def leaf_dims(self):
+        """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
+        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
+        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
+        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
+        for any other chain (a reshape, a broadcast, a slice of a range)."""
+        dims, shape = list(range(len(self.shape))), list(self.shape)
+        levels: list[int | None] = []
+        pins: dict[int, int] = {}
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                levels.append(dims.pop(0))
+                shape.pop(0)
+            elif primitive == CONSTANT:
+                levels.append(None)
+            elif primitive == SCALED:
+                continue  # (elementwise: every element scaled alike)
+            elif primitive.name == "transpose":
+                dims = [dims[i] for i in params["permutation"]]
+                shape = [shape[i] for i in params["permutation"]]
+            elif primitive.name == "slice":
+                strides = params["strides"] or (1,) * len(shape)
+                for d, (lo, hi, st) in enumerate(
+                    zip(params["start_indices"], params["limit_indices"], strides, strict=True)
+                ):
+                    if hi - lo == 1 and shape[d] > 1:
+                        pins[dims[d]] = lo
+                        shape[d] = 1
+                    elif (lo, hi, st) != (0, shape[d], 1):
+                        return None
+            elif primitive.name == "squeeze":
+                for d in params["dimensions"]:
+                    pins.setdefault(dims[d], 0)
+                dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
+                shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
+            elif primitive.name not in PLAIN_PRIMITIVES:
+                return None
+        return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
+
+
+def scaling(eqn, used):
+    """The number a `mul`, `div` or `neg` multiplies its one view by, when that number is
+    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``; None for
+    ``-w``), else False (a product of two views, a scale computed in the loss, a division by
+    the view or by 0, a number not finite, or a `mul` by an array: each a site)."""
+    name = eqn.primitive.name
+    if name not in SCALINGS or len(used) != 1 or not _jaxprs.is_float(eqn.outvars[0]):
+        return False
+    pos = used[0][0]
+    if name == "neg":
+        return None
+    other = eqn.invars[1 - pos]
+    literal = isinstance(other, jcore.Literal) and not getattr(other.aval, "shape", (1,))
+    if not literal or not jnp.issubdtype(other.aval.dtype, jnp.floating):
+        return False
+    number = float(other.val)
+    if not math.isfinite(number) or (name == "div" and (pos != 0 or number == 0)):
+        return False  # (a site: JAX's own infinities and NaNs, materialised)
+    return other.val
