@@ -86,6 +86,38 @@ def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
         check_against_reference(linear, p, x * magnitude, 1.0)
 
 
+def _zero_norm_models():
+    """Beside a dense layer `u` whose per-example norms (about 1e-22) have squares that flush,
+    a leaf whose per-example norm is exactly 0 with factors far from 1: ``{name: (loss,
+    params)}``."""
+    rng = np.random.default_rng(2)
+    tiny = lambda p, x: jnp.sum(jnp.sin(x @ p["u"]))  # noqa: E731
+    big = jnp.asarray([[1e10] * 4, [-1e10] * 4], jnp.float32)  # (two opposite rows)
+    u = {"u": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    return {
+        "unused": (tiny, {**u, "w": jnp.ones((4, 3))}),
+        "scaled by 0": (
+            lambda p, x: tiny(p, x) + jnp.sum(jnp.sin(big @ (p["w"] * 0.0))),
+            {**u, "w": jnp.full((4, 3), 1e10, jnp.float32)},
+        ),
+        "rows that cancel": (  # (its gradient, sum of the rows times 1, is exactly 0)
+            lambda p, x: tiny(p, x) + jnp.sum((big + 0 * jnp.sum(x)) @ p["w"]),
+            {**u, "w": jnp.ones((4, 3))},
+        ),
+    }
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("name", list(_zero_norm_models()))
+def test_a_zero_norm_sets_no_scale_for_the_others(name, mode):
+    # Norms are added as ``(exponent, value)`` at the largest exponent. A leaf's zero norm
+    # came with an exponent of 0 (unused) or of its large factors (scaled by 0, rows that
+    # cancel), which set the scale of the sum: every norm of 1e-22 flushed to 0.
+    loss, params = _zero_norm_models()[name]
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(5, 2, 4)) * 1e-22, jnp.float32)
+    check_against_reference(loss, params, x, 1.0, mode=mode)
+
+
 def on_platform(jaxpr, platform, scanned=False):
     """``(equation, inside a scan)`` of every equation of `jaxpr` and the jaxprs inside it that
     runs on `platform`: of a `lax.platform_dependent` (a `cond` whose branches name platforms,
@@ -1602,8 +1634,9 @@ def test_a_weight_scaled_named_or_behind_a_barrier_stays_ghost(name, mode):
     check_against_reference(loss, params, batch, 1.0, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("number", ["w / 0", "w * inf", "w * nan"])
-def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number):
+def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number, mode):
     """Such a "scale" is left to JAX (a site: the weight materialised), so that its
     infinities and NaNs are JAX's own: the same norms and sums as the materialising way."""
     scale = {"w / 0": lambda w: w / 0.0, "w * inf": lambda w: w * np.inf}.get(
@@ -1615,12 +1648,13 @@ def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number):
     out = {}
     for method in ("auto", "vmap"):
         g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method=method)
-        out[method] = jax.jit(g)(params, x)
+        out[method] = run(g, mode)(params, x)
     np.testing.assert_array_equal(out["auto"][1].grad_norms, out["vmap"][1].grad_norms)
     np.testing.assert_array_equal(out["auto"][0]["w"], out["vmap"][0]["w"])
 
 
-def test_a_scaled_bfloat16_weight_stays_ghost():
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_scaled_bfloat16_weight_stays_ghost(mode):
     """A bfloat16 weight scaled by a bfloat16 number: ghost, and within bfloat16's rounding of
     the materialising way (its pull-back through the scale in float32)."""
     rng = np.random.default_rng(44)
@@ -1628,7 +1662,7 @@ def test_a_scaled_bfloat16_weight_stays_ghost():
     x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.bfloat16)
     loss = lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * 0.375)).astype(jnp.float32))  # noqa: E731
     assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
-    gm.assert_as_vmap_to_bfloat16_rounding(loss, params, x, 0.5)
+    gm.assert_as_vmap_to_bfloat16_rounding(loss, params, x, 0.5, mode=mode)
 
 
 STRICT = {  # (models written without implicit promotion, and the clip that sends each down

@@ -359,18 +359,26 @@ def leaf_terms(uses, acc, scaled: bool = True):
     return top, jnp.maximum(total, 0)
 
 
+def _counted(exponent, value):
+    """The exponent a term sets the scale of a sum by: its own, or `ZERO_EXPONENT` where its
+    value is 0 (an unused leaf's, a leaf scaled by 0, a gradient whose rows cancel exactly,
+    whose factors' exponents may be large): a zero must not set the scale, or every other
+    term below it by more than float32's range flushes to 0."""
+    return jnp.where(value == 0, ZERO_EXPONENT, exponent)
+
+
 def over_layers(term):
     """The sum over the layers (axis 0) of squared norms given as ``(exponent, value)``."""
     exponent, value = term
-    top = jnp.max(exponent, axis=0)
+    top = jnp.max(_counted(exponent, value), axis=0)
     return top, jnp.sum(jnp.ldexp(value, 2 * (exponent - top)), axis=0)
 
 
 def add_terms(terms):
     """The sum of squared norms given as ``(exponent, value)``, as ``(exponent, value)``."""
-    top = terms[0][0]
-    for e, _ in terms[1:]:
-        top = jnp.maximum(top, e)
+    top = _counted(*terms[0])
+    for e, v in terms[1:]:
+        top = jnp.maximum(top, _counted(e, v))
     return top, sum(jnp.ldexp(v, 2 * (e - top)) for e, v in terms)
 
 

@@ -234,10 +234,8 @@ def _terms(t, scaled: bool):
             checks += [] if exact else [jnp.all(_factors.safe_squares(f))]
             terms.append(_factors.square_terms(f, scaled))
         else:
-            # (0 at `ZERO_EXPONENT`: an exponent 0 would set the scale of the others' sum, and
-            # a norm below float32's square root of its smallest normal would flush to 0)
             zero = jnp.zeros_like(t.losses, acc)  # (split over a mesh like the batch)
-            terms.append((zero.astype(jnp.int32) + _factors.ZERO_EXPONENT, zero))
+            terms.append((zero.astype(jnp.int32), zero))  # (a zero sets no scale: `add_terms`)
     return terms, (jnp.all(jnp.stack(checks)) if checks else True), sides
 
 
