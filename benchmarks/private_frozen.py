@@ -8,9 +8,10 @@ clipping method.
 (``lax.stop_gradient(table)``, vocabulary 8192, d=256) and tied to its output, with learned
 positions looked up at ``jnp.arange(T)`` (T=32) and a trainable dense layer: what fine-tuning a
 pretrained model's upper layers with DP-SGD looks like. ``--model scaled``: a language model
-whose weights are multiplied by numbers written in the loss before their layers, as muP
-parametrises them (unit-variance weights; the embedding, 4 residual dense blocks times
-``1/sqrt(d)`` and the output layer times ``1/d``; vocabulary 8192, d=256, T=32). Side by side
+whose weights are multiplied by numbers before their layers, as muP parametrises them
+(unit-variance weights; the embedding, 4 residual dense blocks times ``jnp.sqrt(1 / d)``,
+computed in the loss, and the output layer times ``1 / d``, written; vocabulary 8192, d=256,
+T=32). Side by side
 in one process, XLA's compiled memory analysis of each jitted step (arguments + outputs +
 temporaries, less what outputs alias; no run), as a ratio to the non-private step:
 ``optclip.clipped_grad`` (the frozen table's uses pass no gradient back, the scaled weights are
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import sys
 
@@ -58,9 +58,9 @@ def frozen_model(vocab: int, d: int, seq: int, seed: int = 0):
 
 
 def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
-    """``(loss, params)``: unit-variance weights, each multiplied by a number written in the
-    loss before its layer (muP's multipliers: ``1/sqrt(d)`` for the blocks, ``1/d`` for the
-    output layer)."""
+    """``(loss, params)``: unit-variance weights, each multiplied by a number before its layer
+    (muP's multipliers: ``jnp.sqrt(1 / d)`` for the blocks, computed in the loss; ``1 / d``
+    for the output layer, a number written in it)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     params = {
@@ -72,7 +72,7 @@ def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
     def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
         h = p["embed"][ids]
         for w in p["blocks"]:
-            h = h + jnp.tanh(h @ (w * (1 / math.sqrt(d))))
+            h = h + jnp.tanh(h @ (w * jnp.sqrt(1 / d)))
         logp = jax.nn.log_softmax((h @ (p["head"] * (1 / d)))[:, :-1])
         return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 

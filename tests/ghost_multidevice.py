@@ -3,8 +3,9 @@ batch sharded over a data-parallel mesh (jit of sharded inputs; `spmd_axis_name`
 mesh; under automatic sharding also with no mesh context, the parameters replicated or split,
 and with every weight held whole by a sharding constraint) equals the same call on one device,
 on the common path and on the paths taken for gradients whose squares overflow and for a
-dropped non-finite example, with the norms' Grams batched and one example at a time, and with
-the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too).
+dropped non-finite example, with the norms' Grams batched and one example at a time, with
+the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too), and
+with every parameter scaled by a number the loss computes (a view of each weight).
 Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
@@ -34,6 +35,7 @@ def main():
         ("mlp", gm.mlp, AxisType.Explicit),
     )
     assert jax.device_count() == 8, jax.devices()
+    root = lambda a: a * jax.numpy.sqrt(0.5)  # noqa: E731  (a number computed in the loss)
     checks = []
     for name, build, axis_type in cases:
         mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))
@@ -43,6 +45,10 @@ def main():
         # path).
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
         variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
+        if name != "tied":  # every parameter times a number the loss computes (muP's: its
+            # weights are views, computed while tracing)
+            scaled = lambda p, x, loss=loss: loss(jax.tree.map(root, p), x)  # noqa: E731
+            variants.append(("scaled", scaled, x, None))
         if axis_type == AxisType.Auto:  # the norms one example at a time (as on a CPU when
             variants.append(("looped", loss, x, None))  # one example's Grams are large)
         if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does

@@ -1326,11 +1326,20 @@ def test_arguments_that_cannot_be_differentiated_or_split_are_named(method):
         assert grads == {} and aux.grad_norms.shape == (4,) and np.all(aux.grad_norms == 0)
 
 
-def random_model(draw_sizes, tied, scanned, magnitude):
+MULTIPLIERS = {  # (what multiplies the embedding, dense and output weights before their layers)
+    "none": lambda v, d: v,
+    "written": lambda v, d: v * 0.5,
+    "computed": lambda v, d: v * jnp.sqrt(1 / d),  # (muP's, computed while tracing)
+    "negated": lambda v, d: -v,
+}
+
+
+def random_model(draw_sizes, tied, scanned, magnitude, multiplier="none"):
     """A small random model: an embedding (tied to the output or not), dense layers with
     biases (stacked under a scan or not), LayerNorm-like scale; gradients scaled by
-    `magnitude`."""
+    `magnitude`; the weights scaled by one of `MULTIPLIERS` before their layers."""
     vocab, d, t, layers, batch, seed = draw_sizes
+    scale = MULTIPLIERS[multiplier]
     rng = np.random.default_rng(seed)
     params = {
         "embed": jnp.asarray(rng.normal(size=(vocab, d)), jnp.float32),
@@ -1342,19 +1351,34 @@ def random_model(draw_sizes, tied, scanned, magnitude):
         params["out"] = jnp.asarray(rng.normal(size=(d, vocab)), jnp.float32)
 
     def loss(p, ids):
-        h = jnp.take(p["embed"], ids, axis=0)
+        embed = scale(p["embed"], d)  # (one multiplier for both of a tied table's uses)
+        h = jnp.take(embed, ids, axis=0)
         if scanned:
             h, _ = jax.lax.scan(
-                lambda h, wb: (jnp.tanh(h @ wb[0] + wb[1]), None), h, (p["w"], p["b"])
+                lambda h, wb: (jnp.tanh(h @ scale(wb[0], d) + wb[1]), None), h, (p["w"], p["b"])
             )
         else:
             for i in range(layers):
-                h = jnp.tanh(h @ p["w"][i] + p["b"][i])
-        logits = (h * p["g"]) @ (p["embed"].T if tied else p["out"])
+                h = jnp.tanh(h @ scale(p["w"][i], d) + p["b"][i])
+        logits = (h * p["g"]) @ (embed.T if tied else scale(p["out"], d))
         return jnp.sum(jax.nn.log_softmax(logits)[..., 0]) * magnitude
 
     ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
     return loss, params, ids
+
+
+def drawn(sizes, tied, scanned, magnitude, clip, looped, multiplier="none"):
+    """A hypothesis `example` of `test_random_models_match_the_float64_reference`'s arguments,
+    in their order."""
+    return example(
+        sizes=sizes,
+        tied=tied,
+        scanned=scanned,
+        magnitude=magnitude,
+        clip=clip,
+        looped=looped,
+        multiplier=multiplier,
+    )
 
 
 @pytest.mark.slow
@@ -1373,20 +1397,24 @@ def random_model(draw_sizes, tied, scanned, magnitude):
     magnitude=st.sampled_from([1.0, 1e-3, 1e20, 1e-20]),
     clip=st.sampled_from([0.1, 1.0, 1e30]),
     looped=st.booleans(),
+    multiplier=st.sampled_from(list(MULTIPLIERS)),
 )
-@example(
-    sizes=(2, 6, 1, 2, 4, 923738), tied=True, scanned=False, magnitude=1.0, clip=0.1, looped=False
-)
-@example(
-    sizes=(2, 1, 1, 1, 1, 0), tied=False, scanned=False, magnitude=1e-20, clip=0.1, looped=True
-)
-@example(
-    sizes=(6, 2, 1, 1, 1, 345533), tied=False, scanned=False, magnitude=1.0, clip=0.1, looped=False
-)
-def test_random_models_match_the_float64_reference(sizes, tied, scanned, magnitude, clip, looped):
+@drawn((2, 6, 1, 2, 4, 923738), True, False, 1.0, 0.1, False)
+@drawn((2, 1, 1, 1, 1, 0), False, False, 1e-20, 0.1, True)
+@drawn((6, 2, 1, 1, 1, 345533), False, False, 1.0, 0.1, False)
+# (every weight scaled by a computed number: a tied table, stacked layers)
+@drawn((5, 4, 3, 2, 3, 7), True, True, 1e-20, 0.1, True, "computed")
+def test_random_models_match_the_float64_reference(
+    sizes, tied, scanned, magnitude, clip, looped, multiplier
+):
+    """Random models against float64, their weights scaled by a multiplier or not; every
+    weight goes ghost (the biases and the LayerNorm-like scale are materialised)."""
     from optclip.ghost import _leaves
 
-    loss, params, ids = random_model(sizes, tied, scanned, magnitude)
+    loss, params, ids = random_model(sizes, tied, scanned, magnitude, multiplier)
+    modes = {k: r.mode for k, r in optclip.ghost_report(loss, params, ids).items()}
+    weights = {k for k in modes if k in ("['embed']", "['out']", "['w']")}
+    assert {modes[k] for k in weights} == {"ghost"}, modes
     loop_work = _leaves.LOOP_WORK
     _leaves.LOOP_WORK = 0 if looped else loop_work  # (the norms one example at a time)
     try:
@@ -1527,6 +1555,8 @@ def test_a_batch_sharded_over_eight_devices():
     assert "mlp/Explicit/spmd_axis_name" in done.stdout
     for pinned in ("mlp/Explicit/pinned/spmd_axis_name", "transformer/Auto/pinned/spmd_axis_name"):
         assert pinned in done.stdout, done.stdout
+    for scaled in ("mlp/Explicit/scaled/vmap", "transformer/Auto/scaled/parameters split"):
+        assert scaled in done.stdout, done.stdout
     for classic in ("no mesh context", "parameters split"):  # (not under `jax.set_mesh`)
         assert f"transformer/Auto/{classic}" in done.stdout, done.stdout
         assert f"transformer/Auto/held/{classic}" in done.stdout, done.stdout
@@ -1587,6 +1617,17 @@ def _scaled_models(rng):
     def unequal(p, x):  # two uses, two scales: no closed cross term
         return jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * 0.5)) @ p["w"]))
 
+    held = jnp.asarray(0.375, jnp.float32)  # (a constant the loss holds: the jaxpr's const)
+    rooted = jax.jit(lambda v, x: x @ (v * lax.rsqrt(jnp.float32(4))))  # (computed in a call)
+    scaled = jax.jit(lambda v, x, s: x @ (v * s))  # (passed to a call)
+
+    def stacked_computed(p, x):  # computed outside the scan: the body's const
+        s = 1 / jnp.sqrt(4.0)
+        return jnp.sum(lax.scan(lambda h, v: (jnp.tanh(h @ (v * s)), None), x, p["w"])[0])
+
+    def by_the_data(p, x):  # a different number for each example: a site
+        return jnp.sum(jnp.sin(x @ (p["w"] * jnp.mean(x))))
+
     models = {
         "times": (*dense(lambda v: v * 0.5), "ghost", "scaled by 0.5"),
         "times on the left": (*dense(lambda v: 2.0 * v), "ghost", "scaled by 2"),
@@ -1600,6 +1641,25 @@ def _scaled_models(rng):
         "stacked": (stacked, (3, 6, 6), "ghost", "scaled by 0.3"),
         "tied": (tied, (6, 6), "ghost", "with cross terms, scaled by 0.5"),
         "unequal": (unequal, (6, 6), "materialised", "used scaled by different numbers"),
+        "a computed root": (*dense(lambda v: v * jnp.sqrt(1 / 64)), "ghost", "scaled by 0.125"),
+        "divided by a root": (*dense(lambda v: v / jnp.sqrt(16)), "ghost", "scaled by 0.25"),
+        "a held constant": (*dense(lambda v: v * held), "ghost", "scaled by 0.375"),
+        "a helper's number": (*dense(lambda v: v * jnp.clip(0.3, 0, 1)), "ghost", "by 0.3"),
+        "a huge computed": (*linear(lambda v: v * jnp.power(10.0, 25.0)), "ghost", "by 1e+25"),
+        "computed in a call": (
+            lambda p, x: jnp.sum(jnp.sin(rooted(p["w"], x))),
+            (6, 6),
+            "ghost",
+            "scaled by 0.5",
+        ),
+        "passed to a call": (
+            lambda p, x: jnp.sum(jnp.sin(scaled(p["w"], x, jnp.sqrt(jnp.float32(0.25))))),
+            (6, 6),
+            "ghost",
+            "scaled by 0.5",
+        ),
+        "stacked, computed outside": (stacked_computed, (3, 6, 6), "ghost", "scaled by 0.5"),
+        "by the data": (by_the_data, (6, 6), "materialised", "elementwise `mul`"),
         "a table": (
             lambda p, i: jnp.sum(jnp.sin((p["w"] * 2.0)[i])),
             (7, 6),
@@ -1625,7 +1685,9 @@ def test_a_weight_scaled_named_or_behind_a_barrier_stays_ghost(name, mode):
     """A weight multiplied or divided by a number written in the loss, or negated (muP's and
     an equalised learning rate's multipliers), is a view: its norm is the number's absolute
     value times the view's, exact where the squares overflow or flush ("huge", "tiny"); two
-    uses scaled alike keep their cross term, scaled differently are materialised. A weight
+    uses scaled alike keep their cross term, scaled differently are materialised. So is a
+    number the loss computes from written numbers and constants it holds (``jnp.sqrt(1 /
+    d)``, in a call, passed to one, into a scan), but not one that differs by example. A weight
     named for a rematerialisation policy (`checkpoint_name`) or behind an
     `optimization_barrier` is the weight itself. Each was materialised, a weight per example."""
     loss, params, batch, expected, why = _scaled_models(np.random.default_rng(43))[name]
@@ -1651,6 +1713,52 @@ def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number, mode):
         out[method] = run(g, mode)(params, x)
     np.testing.assert_array_equal(out["auto"][1].grad_norms, out["vmap"][1].grad_norms)
     np.testing.assert_array_equal(out["auto"][0]["w"], out["vmap"][0]["w"])
+
+
+def test_a_scale_traced_outside_the_loss_is_no_number():
+    """A number the caller's `jit` traces (an argument of the step the loss closes over) is
+    not known while the loss is traced: a site (the weight materialised), its sums and norms
+    the float64 reference's. The same number written in the loss is a scaling."""
+    rng = np.random.default_rng(45)
+    params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 0.5, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.float32)
+    scaled = lambda s: lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * s)))  # noqa: E731
+    modes = []
+
+    def step(params, x, s):
+        modes.append(optclip.ghost_report(scaled(s), params, x)["['w']"].mode)
+        g = optclip.clipped_grad(scaled(s), l2_clip_norm=1.0, return_grad_norms=True)
+        return g(params, x)
+
+    traced = jax.jit(step)(params, x, jnp.float32(0.75))
+    written = jax.jit(lambda p, x: step(p, x, 0.75))(params, x)
+    assert modes == ["materialised", "ghost"]
+    norms, sums = gm.reference(scaled(0.75), params, x, 1.0)
+    for grads, aux in (traced, written):
+        np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+        assert_tree_close(grads, sums)
+
+
+def test_a_number_that_depends_on_where_it_runs_is_not_computed_while_tracing():
+    """A scale from ``lax.axis_index`` (here the index of each of three models `jax.vmap`
+    trains at once) is a scalar made from no variable, but its value is the device's or the
+    model's: not computed while the loss is traced (only arithmetic is), a site, each model's
+    sums and norms the float64 reference's for its own number."""
+    rng = np.random.default_rng(46)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 6, 5)) * 0.5, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(3, 4, 2, 6)), jnp.float32)
+    scaled = lambda s: lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * s)))  # noqa: E731
+
+    def each(p, x):  # (one model's step: its weight times its index plus one)
+        loss = scaled(lax.axis_index("models") + 1.0)
+        return optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)(p, x)
+
+    grads, aux = jax.jit(jax.vmap(each, axis_name="models"))(params, x)
+    for m in range(3):
+        own = {"w": params["w"][m]}
+        norms, sums = gm.reference(scaled(m + 1.0), own, x[m], 1.0)
+        np.testing.assert_allclose(np.asarray(aux.grad_norms[m]), norms, rtol=RTOL)
+        assert_tree_close({"w": grads["w"][m]}, sums)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])

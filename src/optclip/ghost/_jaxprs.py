@@ -184,9 +184,14 @@ def _varying_outputs(eqn, ins: list, bodies: dict, index: int) -> list:
         if any(outs(params["cond_jaxpr"].jaxpr, ins[:c] + carry)):
             return [True] * len(eqn.outvars)
         return carry
-    if any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in _flat(params.values())):
+    if has_body(eqn):
         return [False] * len(eqn.outvars)  # (a body not known here: see `batched`)
     return [True] * len(eqn.outvars)
+
+
+def has_body(eqn) -> bool:
+    """Whether `eqn` runs a jaxpr of its own (a call, a loop, a branch, a custom rule)."""
+    return any(isinstance(v, (jcore.Jaxpr, jcore.ClosedJaxpr)) for v in _flat(eqn.params.values()))
 
 
 def _in(v, variables: set) -> bool:

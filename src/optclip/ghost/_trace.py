@@ -1,11 +1,11 @@
 """Where the parameters are used: a static walk of the per-example loss's jaxpr.
 
 A *view* of a parameter leaf is the leaf after linear, shape-only operations, scalings by a
-number written in the loss and identities (`_views.View`). Every other equation with a view
-among its operands that passes the loss's gradient back to them (`_jaxprs.flows`: not a
-``stop_gradient``, a comparison, or a value only ``has_aux``'s outputs read) is a *site*: its
-output gets a tap, its other operands are recorded, and its per-example gradient (or only
-that gradient's norm) is computed from them. A site is
+number written in the loss or computed from such numbers, and identities (`_views.View`).
+Every other equation with a view among its operands that passes the loss's gradient back to
+them (`_jaxprs.flows`: not a ``stop_gradient``, a comparison, or a value only ``has_aux``'s
+outputs read) is a *site*: its output gets a tap, its other operands are recorded, and its
+per-example gradient (or only that gradient's norm) is computed from them. A site is
 
 * ``"dense"``: `dot_general` with one view operand reached through dtype conversions and
   transposes (dense layers, einsums with sequence and head dimensions);
@@ -63,18 +63,23 @@ class Plan:
             yield from sub.all_sites()
 
 
-def analyse(jaxpr, views: dict, live_out, ids=None):
+def analyse(jaxpr, views: dict, live_out, ids=None, known=None):
     """The `Plan` of `jaxpr` given the views among its input variables and the indices of its
     outputs the loss's gradient starts from (`live_out`), and the views among those outputs
     (``{output index: View}``). A use is a view among the operands the gradient is passed back
     to (`_jaxprs.flows`: not through a ``stop_gradient``, a comparison, an array with no
-    entries, a scan of no steps...); an equation with none is neither a view nor a site."""
+    entries, a scan of no steps...); an equation with none is neither a view nor a site.
+    `known`: the values of the scalars among its variables known while tracing (its consts,
+    numbers passed in: `_views.held`), and those it computes from them go in (`_views.fold`)."""
     ids = itertools.count() if ids is None else ids
     views = dict(views)
+    known = dict(known or {})
     plan = Plan()
     keys: dict = {}  # this jaxpr's recorded variables: one record each, whatever its sites
     reach = _jaxprs.flows(jaxpr, live_out)
     for index, eqn in enumerate(jaxpr.eqns):
+        if _views.fold(eqn, known):
+            continue
         flow = reach.get(index)
         if flow is None:
             continue
@@ -93,12 +98,12 @@ def analyse(jaxpr, views: dict, live_out, ids=None):
         if name in _views.VIEW_PRIMITIVES and single:
             views[eqn.outvars[0]] = used[0][1].then(eqn)
             continue
-        number = _views.scaling(eqn, used)
+        number = _views.scaling(eqn, used, known)
         if number is not False:
             views[eqn.outvars[0]] = used[0][1].times(eqn, number)
             continue
         if name == "scan":
-            subplan = _scan(eqn, used, flow.outputs, ids)
+            subplan = _scan(eqn, used, flow.outputs, ids, known)
             if subplan is not None:
                 plan.subplans[index] = subplan
                 continue
@@ -109,7 +114,10 @@ def analyse(jaxpr, views: dict, live_out, ids=None):
         inner = _jaxprs.sub_jaxpr(eqn)
         if inner is not None:
             sub_views = {inner[0].invars[pos]: view for pos, view in used}
-            subplan, out_views = analyse(inner[0], sub_views, flow.outputs, ids)
+            sub_known = _views.held(inner[0].constvars, inner[1]) | _passed(
+                eqn.invars, inner[0].invars, known
+            )
+            subplan, out_views = analyse(inner[0], sub_views, flow.outputs, ids, sub_known)
             if subplan.sites or subplan.subplans:
                 plan.subplans[index] = subplan
             for i, view in out_views.items():
@@ -145,17 +153,29 @@ def mark_batched(plan: Plan, jaxpr, batched_in) -> None:
         mark_batched(subplan, body, bodies.get(index, [False] * len(body.invars)))
 
 
-def _scan(eqn, used, live_out, ids):
+def _passed(operands, invars, known) -> dict:
+    """The values of the body's inputs `invars` that are `known` numbers (`operands`: the
+    equation's, in the same order)."""
+    values = [_views.constant(v, known) for v in operands]
+    return _views.held(invars, values)
+
+
+def _scan(eqn, used, live_out, ids, known):
     """The plan of a `scan`'s body (its sites stacked along the scan), or None when a
     parameter view is carried or returned (its gradient would not pass through a site);
-    `live_out`: the body's outputs the gradient reaches."""
-    body = eqn.params["jaxpr"].jaxpr
+    `live_out`: the body's outputs the gradient reaches; `known`: numbers among its operands
+    (those among its consts are known in the body: the same at every step)."""
+    closed = eqn.params["jaxpr"]
+    body = closed.jaxpr
     consts, carry = _jaxprs.scan_counts(eqn)
     length = eqn.params["length"]
     if any(consts <= pos < consts + carry for pos, _ in used):
         return None
     inner = {body.invars[pos]: view.enter_scan(pos >= consts, length) for pos, view in used}
-    subplan, out_views = analyse(body, inner, live_out, ids)
+    sub_known = _views.held(body.constvars, closed.consts) | _passed(
+        eqn.invars[:consts], body.invars[:consts], known
+    )
+    subplan, out_views = analyse(body, inner, live_out, ids, sub_known)
     if out_views:
         return None
     for site in subplan.all_sites():
@@ -282,5 +302,6 @@ def trace(fun, args, param_mask):
         if is_param:
             views[var] = _views.View(leaf, tuple(var.aval.shape))
             leaf += 1
-    plan, _ = analyse(jaxpr, views, {0})  # (the loss; `has_aux`'s outputs follow it)
+    known = _views.held(jaxpr.constvars, closed.consts)
+    plan, _ = analyse(jaxpr, views, {0}, known=known)  # (the loss; `has_aux`'s outputs follow)
     return closed, out_shape, plan

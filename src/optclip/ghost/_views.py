@@ -5,7 +5,9 @@ A view is the leaf after linear, shape-only operations (a dtype conversion, resh
 transpose, broadcast, squeeze, copy, slice, a sharding constraint), after scalings by a number
 written in the loss (``w * 0.5``, ``2.0 * w``, ``w / 3.0``, ``-w``: muP's or an equalised
 learning rate's multipliers; the gradient of the leaf is that number times the view's, so a
-ghost norm is its absolute value times the view's), and inside the `scan` bodies it enters
+ghost norm is its absolute value times the view's; a number the loss computes from such
+numbers and from constants it holds, ``w * jnp.sqrt(1 / d)``, ``w * lax.rsqrt(d)``, is one
+too: `fold` computes it while the loss is traced), and inside the `scan` bodies it enters
 (sliced as stacked layers, or the same at every step). An identity that only names or orders
 it (``checkpoint_name`` for a rematerialisation policy, ``optimization_barrier``) leaves the
 view as it is. `_trace` builds views while it walks the loss's jaxpr.
@@ -19,6 +21,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jcore
 
 from optclip.ghost import _jaxprs
@@ -45,6 +48,17 @@ PLAIN_PRIMITIVES = frozenset(
 # policies, an ordering for XLA): a view passes through them unchanged.
 IDENTITIES = frozenset({"name", "optimization_barrier"})
 SCALINGS = frozenset({"mul", "div", "neg"})  # by a scalar written in the loss: `scaling`
+# Arithmetic on numbers: what `fold` computes while the loss is traced (no collective, no
+# random number, no loop, nothing whose value depends on where or when it runs).
+ARITHMETIC = frozenset(
+    {
+        *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp"),
+        *("pow", "integer_pow", "sqrt", "rsqrt", "cbrt", "square", "exp", "exp2", "log"),
+        *("log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "atan2", "erf", "erf_inv"),
+        *("floor", "ceil", "round", "is_finite", "convert_element_type", "copy", "copy_p"),
+        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "select_n"),
+    }
+)
 SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
 SCALED = "scale"  # chain entry: the view times a number (`View.scale`)
 
@@ -156,11 +170,12 @@ class View:
         return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
 
 
-def scaling(eqn, used):
+def scaling(eqn, used, known):
     """The number a `mul`, `div` or `neg` multiplies its one view by, when that number is
-    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``; None for
-    ``-w``), else False (a product of two views, a scale computed in the loss, a division by
-    the view or by 0, a number not finite, or a `mul` by an array: each a site)."""
+    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``) or computed
+    from such numbers (`known`: `fold`'s), None for ``-w``, else False (a product of two views,
+    a scale that depends on the data, the parameters or a value traced outside the loss, a
+    division by the view or by 0, a number not finite, or a `mul` by an array: each a site)."""
     name = eqn.primitive.name
     if name not in SCALINGS or len(used) != 1 or not _jaxprs.is_float(eqn.outvars[0]):
         return False
@@ -168,10 +183,72 @@ def scaling(eqn, used):
     if name == "neg":
         return None
     other = eqn.invars[1 - pos]
-    literal = isinstance(other, jcore.Literal) and not getattr(other.aval, "shape", (1,))
-    if not literal or not jnp.issubdtype(other.aval.dtype, jnp.floating):
+    value = constant(other, known)
+    if value is None or value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
         return False
-    number = float(other.val)
+    number = float(value)
     if not math.isfinite(number) or (name == "div" and (pos != 0 or number == 0)):
         return False  # (a site: JAX's own infinities and NaNs, materialised)
-    return other.val
+    return value
+
+
+def constant(var, known):
+    """The value of `var` as a NumPy array where it is a literal or in `known`, else None."""
+    if isinstance(var, jcore.Literal):
+        return np.asarray(var.val, getattr(var.aval, "dtype", None))
+    return known.get(var) if isinstance(var, jcore.Var) else None
+
+
+def held(variables, values) -> dict:
+    """``{variable: value}`` for the scalars among `values` (a jaxpr's consts, a call's
+    operands: arrays the loss holds) that are known while it is traced, not a value traced
+    outside it (a `Tracer`: the same for every example, but not a number here)."""
+    return {
+        var: np.asarray(value)
+        for var, value in zip(variables, values, strict=True)
+        if isinstance(var, jcore.Var)
+        and value is not None
+        and not isinstance(value, jax.core.Tracer)
+        and not np.shape(value)
+    }
+
+
+def fold(eqn, known) -> bool:
+    """Computes `eqn` now, into `known`, where its operands are all `constant` and it makes
+    numbers from numbers: scalars in and out, by arithmetic (`ARITHMETIC`) or a call of such
+    equations (``jnp.clip``). ``jnp.sqrt(1 / d)`` and its conversion to the weight's dtype
+    are, so that a weight scaled by it is a view; a collective (``lax.psum(1, axis)``, whose
+    value is the mesh's), a random number or a loop is not. Returns whether it did. The
+    traced loss computes it again; the value is the same to rounding."""
+    values = [constant(v, known) for v in eqn.invars]
+    if any(v is None or not _scalar(v) for v in values):
+        return False
+    if not all(_scalar(v.aval) for v in eqn.outvars):
+        return False
+    called = _jaxprs.sub_jaxpr(eqn) if eqn.primitive.name in _jaxprs.CALLS else None
+    if called is not None:
+        inner = held(called[0].constvars, called[1]) | held(called[0].invars, values)
+        if not all(fold(e, inner) for e in called[0].eqns):
+            return False
+        outs = [constant(v, inner) for v in called[0].outvars]
+        if any(o is None for o in outs):
+            return False
+    elif eqn.primitive.name in ARITHMETIC:
+        with jax.ensure_compile_time_eval():
+            out = eqn.primitive.bind(*values, **eqn.params)
+        outs = out if eqn.primitive.multiple_results else [out]
+    else:
+        return False
+    known.update((v, np.asarray(o)) for v, o in zip(eqn.outvars, outs, strict=True))
+    return True
+
+
+def _scalar(x) -> bool:
+    """Whether `x` (an array or an abstract value) is a number: shape (), a numeric dtype."""
+    return not getattr(x, "shape", (1,)) and _numeric(getattr(x, "dtype", None))
+
+
+def _numeric(dtype) -> bool:
+    if dtype is None:
+        return False
+    return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
