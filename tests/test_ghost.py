@@ -1749,8 +1749,8 @@ def test_a_number_that_depends_on_where_it_runs_is_not_computed_while_tracing():
     x = jnp.asarray(rng.normal(size=(3, 4, 2, 6)), jnp.float32)
     scaled = lambda s: lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * s)))  # noqa: E731
 
-    def each(p, x):  # (one model's step: its weight times its index plus one)
-        loss = scaled(lax.axis_index("models") + 1.0)
+    def each(p, x):  # (one model's step: its weight times its index plus one, in the loss)
+        loss = lambda p, x: scaled(lax.axis_index("models") + 1.0)(p, x)  # noqa: E731
         return optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)(p, x)
 
     grads, aux = jax.jit(jax.vmap(each, axis_name="models"))(params, x)
