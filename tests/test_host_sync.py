@@ -16,6 +16,9 @@ runs (``jnp.asarray(np_value)`` outside a trace), a device value read back (``fl
 program (a host callback, as ``nonfinite="raise"`` makes, is only called on a non-finite step,
 and is checked here not to be on a finite one), nor transfers written explicitly
 (``jax.device_put``/``jax.device_get``), nor constants folded into the program at compile time.
+The ghost engine computes a weight's multiplier (``w * jnp.sqrt(1 / d)``, a scalar the loss
+holds on a device) while the loss is traced, once per compilation: those transfers, and only
+those, it allows itself (`clipped_grad`'s second case runs one under the guard).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ import optax
 import pytest
 
 import optclip
+
+HELD = jnp.asarray(0.5, jnp.float32)  # (a multiplier the loss holds on a device)
 
 
 class Transform(NamedTuple):
@@ -169,6 +174,16 @@ CASES: dict[str, object] = {
                 lambda w, b: (
                     jnp.mean(jnp.tanh(jnp.einsum("bij,ij->b", b["dense"], w)))
                     + jnp.mean(b["bias"] @ w.T)
+                ),
+                l2_clip_norm=1.0,
+                return_grad_norms=True,
+            )(jnp.ones((4, 3)), g),
+            batched=True,
+        ),
+        Function(  # the weight times muP's numbers: computed in the loss, and held on a device
+            lambda g: optclip.clipped_grad(
+                lambda w, b: jnp.mean(
+                    jnp.tanh(jnp.einsum("bij,ij->b", b["dense"], w * jnp.sqrt(1 / 9) * HELD))
                 ),
                 l2_clip_norm=1.0,
                 return_grad_norms=True,

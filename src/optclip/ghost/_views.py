@@ -202,15 +202,17 @@ def constant(var, known):
 def held(variables, values) -> dict:
     """``{variable: value}`` for the scalars among `values` (a jaxpr's consts, a call's
     operands: arrays the loss holds) that are known while it is traced, not a value traced
-    outside it (a `Tracer`: the same for every example, but not a number here)."""
-    return {
-        var: np.asarray(value)
-        for var, value in zip(variables, values, strict=True)
-        if isinstance(var, jcore.Var)
-        and value is not None
-        and not isinstance(value, jax.core.Tracer)
-        and not np.shape(value)
-    }
+    outside it (a `Tracer`: the same for every example, but not a number here). A scalar held
+    on a device is read once, while tracing (`_while_tracing`)."""
+    with _while_tracing():
+        return {
+            var: np.asarray(value)
+            for var, value in zip(variables, values, strict=True)
+            if isinstance(var, jcore.Var)
+            and value is not None
+            and not isinstance(value, jax.core.Tracer)
+            and not np.shape(value)
+        }
 
 
 def fold(eqn, known) -> bool:
@@ -234,13 +236,21 @@ def fold(eqn, known) -> bool:
         if any(o is None for o in outs):
             return False
     elif eqn.primitive.name in ARITHMETIC:
-        with jax.ensure_compile_time_eval():
+        with _while_tracing(), jax.ensure_compile_time_eval():
             out = eqn.primitive.bind(*values, **eqn.params)
-        outs = out if eqn.primitive.multiple_results else [out]
+            outs = [np.asarray(o) for o in (out if eqn.primitive.multiple_results else [out])]
     else:
         return False
-    known.update((v, np.asarray(o)) for v, o in zip(eqn.outvars, outs, strict=True))
+    known.update(zip(eqn.outvars, outs, strict=True))
     return True
+
+
+def _while_tracing():
+    """Where `held` and `fold` compute and read numbers: while the loss is traced, once per
+    compilation, never on the step. The scalars go to the device and back then, as any
+    constant computed eagerly does; under ``jax.transfer_guard("disallow")`` (optclip's promise
+    of no host sync, which covers tracing too) these transfers, and only these, are allowed."""
+    return jax.transfer_guard("allow")
 
 
 def _scalar(x) -> bool:
