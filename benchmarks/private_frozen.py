@@ -1,7 +1,8 @@
 """Private training of models the ghost engine once materialised: memory of each per-example
 clipping method.
 
-    python benchmarks/private_frozen.py [--quick] [--model frozen|scaled] [--batches 16 64]
+    python benchmarks/private_frozen.py [--quick] [--model frozen|scaled|traced]
+        [--batches 16 64]
         [--json out.json]
 
 ``--model frozen`` (the default): a language model whose token embedding is frozen
@@ -11,7 +12,8 @@ pretrained model's upper layers with DP-SGD looks like. ``--model scaled``: a la
 whose weights are multiplied by numbers before their layers, as muP parametrises them
 (unit-variance weights; the embedding, 4 residual dense blocks times ``jnp.sqrt(1 / d)``,
 computed in the loss, and the output layer times ``1 / d``, written; vocabulary 8192, d=256,
-T=32). Side by side
+T=32). ``--model traced``: the same, the blocks' multiplier an argument of the jitted step
+(a schedule's value, traced by the step's ``jit``; the loss closes over it). Side by side
 in one process, XLA's compiled memory analysis of each jitted step (arguments + outputs +
 temporaries, less what outputs alias; no run), as a ratio to the non-private step:
 ``optclip.clipped_grad`` (the frozen table's uses pass no gradient back, the scaled weights are
@@ -61,6 +63,13 @@ def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
     """``(loss, params)``: unit-variance weights, each multiplied by a number before its layer
     (muP's multipliers: ``jnp.sqrt(1 / d)`` for the blocks, computed in the loss; ``1 / d``
     for the output layer, a number written in it)."""
+    make, params = traced_model(vocab, d, seq, blocks, seed)
+    return make(None), params
+
+
+def traced_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
+    """``(make, params)``: `scaled_model`'s, ``make(m)`` its loss with the blocks' multiplier
+    `m` (None: ``jnp.sqrt(1 / d)`` computed in the loss)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
     params = {
@@ -69,30 +78,40 @@ def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
         "head": normal(d, vocab),
     }
 
-    def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
-        h = p["embed"][ids]
-        for w in p["blocks"]:
-            h = h + jnp.tanh(h @ (w * jnp.sqrt(1 / d)))
-        logp = jax.nn.log_softmax((h @ (p["head"] * (1 / d)))[:, :-1])
-        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
+    def make(m):
+        def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
+            h = p["embed"][ids]
+            for w in p["blocks"]:
+                h = h + jnp.tanh(h @ (w * (jnp.sqrt(1 / d) if m is None else m)))
+            logp = jax.nn.log_softmax((h @ (p["head"] * (1 / d)))[:, :-1])
+            return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
-    return loss, params
+        return loss
+
+    return make, params
 
 
-MODELS = {"frozen": frozen_model, "scaled": scaled_model}
+MODELS = {"frozen": frozen_model, "scaled": scaled_model, "traced": traced_model}
 
 
 def measure(batches, quick: bool, budget_gib: float, model: str = "frozen") -> list[dict]:
     vocab, d, seq = (64, 8, 6) if quick else (8192, 256, 32)
     loss, params = MODELS[model](vocab, d, seq)
+    make = loss if model == "traced" else (lambda m: loss)  # (the step's multiplier, or none)
+    multiplier = jnp.float32(1 / np.sqrt(d))
     n_params = models.parameter_count(params)
+    budget = budget_gib * 2**30
     rows = []
     for size in batches:
         ids = jnp.asarray(np.random.default_rng(size).integers(0, vocab, size=(size, seq)))
-        made = private.contenders(loss, size, n_params, budget_gib * 2**30)
+        made = private.contenders(make(multiplier), size, n_params, budget)
         base = None
-        for name, (step, note) in made.items():
-            peak = private.peak_bytes(jax.jit(step).lower(params, ids).compile())
+        for name, (_, note) in made.items():
+
+            def step(p, ids, m, name=name, size=size):
+                return private.contenders(make(m), size, n_params, budget)[name][0](p, ids)
+
+            peak = private.peak_bytes(jax.jit(step).lower(params, ids, multiplier).compile())
             base = peak if base is None else base
             rows.append(
                 dict(method=name, batch=size, peak_bytes=peak, ratio=peak / base, note=note)

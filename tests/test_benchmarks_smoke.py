@@ -168,12 +168,12 @@ def test_private_benchmark_runs_the_methods_and_batches_asked_for(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", ["frozen", "scaled"])
+@pytest.mark.parametrize("model", ["frozen", "scaled", "traced"])
 def test_the_frozen_embedding_benchmark_sizes_every_method(tmp_path, model):
     """benchmarks/private_frozen.py --quick: each method's compiled memory at the batch asked
     for, as a ratio to the non-private step; the ghost step forms no per-example copy of the
-    frozen table, nor of the weights scaled by muP's numbers (`--model scaled`), which the
-    materialising `vmap` step does."""
+    frozen table, nor of the weights scaled by muP's numbers (`--model scaled`; `traced`, the
+    multiplier an argument of the step), which the materialising `vmap` step does."""
     args = ("--quick", "--batches", "4", "--model", model)
     rows = run_private(tmp_path, *args, script="private_frozen.py")
     by = {r["method"]: r for r in rows}

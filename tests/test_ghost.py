@@ -1715,28 +1715,271 @@ def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number, mode):
     np.testing.assert_array_equal(out["auto"][0]["w"], out["vmap"][0]["w"])
 
 
-def test_a_scale_traced_outside_the_loss_is_no_number():
-    """A number the caller's `jit` traces (an argument of the step the loss closes over) is
-    not known while the loss is traced: a site (the weight materialised), its sums and norms
-    the float64 reference's. The same number written in the loss is a scaling."""
-    rng = np.random.default_rng(45)
-    params = {"w": jnp.asarray(rng.normal(size=(6, 5)) * 0.5, jnp.float32)}
+GRADIENT_MODELS = ["mlp", "sequence", "embedding", "fallback", "scanned", "recurrent"]
+GRADIENT_MODELS += ["sliced", "transformer", "conv"]
+
+
+GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]
+
+
+@pytest.mark.parametrize(
+    ("name", "variant", "mode"),
+    [(n, v, "jit") for n in GRADIENT_MODELS for v in GRADIENT_VARIANTS]
+    + [(n, "a zero example", "eager") for n in ("mlp", "sequence", "conv")],
+)
+def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, mode):
+    """`jax.grad` of a function of the clipped sum and the norms (a meta-objective, a penalty
+    on the private gradient) through the clip factors, as ``method="vmap"`` and jax_privacy
+    differentiate it: the ghost way held the factors fixed (`stop_gradient`, a relic of a
+    second backward pass), a different gradient, and with the factors differentiated an
+    example of zero gradient made it NaN (the root's and the exponent shift's derivatives at
+    0: `_factors._root`, `_at_scale`). With a zero example, a padding one, inputs whose
+    squares overflow, and the norms one example at a time."""
+    from optclip.ghost import _leaves
+
+    loss, params, x = getattr(gm, name)(np.random.default_rng(51))
+    floating = jnp.issubdtype(x.dtype, jnp.floating)
+    if variant == "a zero example" and floating:
+        x = x.at[0].set(0.0)
+    if variant == "huge" and floating:
+        x = x * 1e18
+    padding = (jnp.arange(x.shape[0]) == 1) if variant == "padding" else None
+    out = {}
+    for method in ("auto", "vmap"):
+
+        def objective(p, method=method):
+            g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True, method=method)
+            grads, aux = g(p, x, is_padding_example=padding)
+            total = sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(grads))
+            return total + jnp.sum(jnp.sqrt(aux.grad_norms + 1.0))
+
+        loop_work = _leaves.LOOP_WORK
+        _leaves.LOOP_WORK = 0 if variant == "looped" else loop_work
+        try:
+            out[method] = run(jax.grad(objective), mode)(params)
+        finally:
+            _leaves.LOOP_WORK = loop_work
+    for a, b in zip(jax.tree.leaves(out["auto"]), jax.tree.leaves(out["vmap"]), strict=True):
+        assert np.all(np.isfinite(np.asarray(a))), out["auto"]
+        scale = float(np.max(np.abs(np.asarray(b))))
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=2e-6 * scale)
+
+
+def _traced_models(rng):
+    """Losses whose weights are scaled by a number `s` the caller traces (an argument of the
+    step the loss closes over: a scheduled multiplier): ``{name: (make, params, batch, s, the
+    report's mode, its reason's end)}``, ``make(s)`` the loss."""
+    w = lambda *shape: jnp.asarray(rng.normal(size=shape) * 0.5, jnp.float32)  # noqa: E731
     x = jnp.asarray(rng.normal(size=(5, 3, 6)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 7, size=(5, 4)))
+    conv = functools.partial(lax.conv_general_dilated, dimension_numbers=("NWC", "WIO", "NWC"))
+    dense = lambda f: lambda s: lambda p, x: jnp.sum(jnp.sin(x @ f(p["w"], s)))  # noqa: E731
+    linear = lambda f: lambda s: lambda p, x: jnp.sum((x @ f(p["w"], s)) * x)  # noqa: E731
+    traced = "scaled by a number traced outside the loss"
+
+    def tied(s):  # two uses of one scaled view: the cross term scaled by its square
+        def loss(p, x):
+            v = p["w"] * s
+            return jnp.sum(jnp.sin(jnp.tanh(x @ v) @ v.T))
+
+        return loss
+
+    def stacked(s):  # each layer's slice scaled inside the scan (the number a scan const)
+        return lambda p, x: jnp.sum(
+            lax.scan(lambda h, v: (jnp.tanh(h @ (v * s)), None), x, p["w"])[0]
+        )
+
+    def two_numbers(s):  # two uses, two traced numbers: no closed cross term
+        return lambda p, x: jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * s)) @ (p["w"] * (2 * s))))
+
+    models = {
+        "times": (dense(lambda v, s: v * s), (6, 6), 0.75, "ghost", traced),
+        "negative": (dense(lambda v, s: s * v), (6, 6), -2.0, "ghost", traced),
+        "zero": (dense(lambda v, s: v * s), (6, 6), 0.0, "ghost", traced),
+        "divided": (dense(lambda v, s: v / s), (6, 6), 3.0, "ghost", traced),
+        "computed from it": (
+            dense(lambda v, s: v * lax.rsqrt(jnp.abs(s) + 1.0)),
+            (6, 6),
+            -3.0,
+            "ghost",
+            traced,
+        ),
+        "with written ones": (
+            dense(lambda v, s: (-(v * 0.5) * s / 4.0).T),
+            (6, 6),
+            0.75,
+            "ghost",
+            traced,
+        ),
+        "huge": (linear(lambda v, s: v * s), (6, 6), 1e25, "ghost", traced),
+        "tiny": (linear(lambda v, s: v * s), (6, 6), 1e-25, "ghost", traced),
+        "tied": (tied, (6, 6), 0.5, "ghost", "with cross terms, " + traced),
+        "stacked": (stacked, (3, 6, 6), 0.3, "ghost", traced),
+        "two numbers": (two_numbers, (6, 6), 0.5, "materialised", "different numbers"),
+        "a table": (
+            lambda s: lambda p, i: jnp.sum(jnp.sin((p["w"] * s)[i])),
+            (7, 6),
+            2.0,
+            "ghost",
+            traced,
+        ),
+        "a kernel": (
+            lambda s: lambda p, x: jnp.sum(jnp.sin(conv(x, p["w"] * s, (1,), "SAME"))),
+            (3, 6, 4),
+            0.5,
+            "ghost",
+            traced,
+        ),
+    }
+    return {
+        name: (make, {"w": w(*shape)}, ids if name == "a table" else x, s, mode, why)
+        for name, (make, shape, s, mode, why) in models.items()
+    }
+
+
+@pytest.mark.parametrize("name", list(_traced_models(np.random.default_rng(0))))
+def test_a_scale_traced_outside_the_loss_stays_ghost(name):
+    """A number the caller's `jit` traces (an argument of the step the loss closes over) is
+    the same for every example: the weight it scales is a view, its norm scaled on the device
+    by the number's value (exact where the squares overflow or flush: "huge", "tiny"), the
+    sums and norms the float64 reference's for that number. It was materialised, a weight per
+    example."""
+    make, params, batch, s, expected, why = _traced_models(np.random.default_rng(45))[name]
+    reports = []
+
+    def step(params, batch, s):
+        reports.append(optclip.ghost_report(make(s), params, batch)["['w']"])
+        g = optclip.clipped_grad(make(s), l2_clip_norm=1.0, return_grad_norms=True)
+        return g(params, batch)
+
+    grads, aux = jax.jit(step)(params, batch, jnp.float32(s))
+    assert (reports[0].mode, why in reports[0].reason) == (expected, True), reports[0]
+    norms, sums = gm.reference(make(s), params, batch, 1.0)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    assert_tree_close(grads, sums)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_scale_passed_to_the_loss_unbatched_stays_ghost(mode):
+    """A multiplier passed to the loss as an argument that is neither batched nor
+    differentiated (``clipped_grad(loss)(params, x, s)``, ``batch_argnums=1``) is the same for
+    every example: a scale (traced under `jit`, a number eager), the sums and norms the float64
+    reference's. It was materialised."""
+    make, params, x, _, _, _ = _traced_models(np.random.default_rng(52))["times"]
+    loss = lambda p, x, s: make(s)(p, x)  # noqa: E731
+    for s, why in ((jnp.float32(-0.75), "scaled by -0.75"), (0.5, "scaled by 0.5")):
+        report = optclip.ghost_report(loss, params, x, s)["['w']"]
+        assert (report.mode, report.reason.endswith(why)) == ("ghost", True), report
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+        grads, aux = run(g, mode)(params, x, s)
+        norms, sums = gm.reference(make(float(s)), params, x, 1.0)
+        np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+        assert_tree_close(grads, sums)
+
+
+def test_a_traced_scale_in_the_callers_loops_and_microbatches():
+    """The number traced by the caller's `lax.scan` (gradient accumulation whose multiplier is
+    the carry), and a traced number with `microbatch_size` (the engine's own scan): each
+    microbatch's sums and norms the float64 reference's for its number."""
+    make, params, x, _, _, _ = _traced_models(np.random.default_rng(47))["times"]
+    parts = x[:4].reshape(2, 2, *x.shape[1:])  # (two microbatches of two examples)
+
+    def accumulate(params, parts, s):
+        def body(s, part):
+            g = optclip.clipped_grad(make(s), l2_clip_norm=1.0, return_grad_norms=True)
+            return s * 2.0, g(params, part)
+
+        return lax.scan(body, s, parts)[1]
+
+    grads, aux = jax.jit(accumulate)(params, parts, jnp.float32(0.5))
+    for i, s in enumerate((0.5, 1.0)):
+        norms, sums = gm.reference(make(s), params, parts[i], 1.0)
+        np.testing.assert_allclose(np.asarray(aux.grad_norms[i]), norms, rtol=RTOL)
+        assert_tree_close({"w": grads["w"][i]}, sums)
+    g = lambda s: optclip.clipped_grad(  # noqa: E731
+        make(s), l2_clip_norm=1.0, return_grad_norms=True, microbatch_size=1
+    )
+    grads, aux = jax.jit(lambda p, x, s: g(s)(p, x))(params, x[:2], jnp.float32(-1.5))
+    norms, sums = gm.reference(make(-1.5), params, x[:2], 1.0)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    assert_tree_close(grads, sums)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_scale_of_each_model_jax_vmap_trains_stays_ghost(mode):
+    """Numbers `jax.vmap` maps over, one per model (an `axis_index` computed outside the loss,
+    and a batch of multipliers): traced, even eager, the same for every example of a model;
+    each model's sums and norms the float64 reference's for its own number."""
+    rng = np.random.default_rng(48)
+    params = {"w": jnp.asarray(rng.normal(size=(3, 6, 5)) * 0.5, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(3, 4, 2, 6)), jnp.float32)
     scaled = lambda s: lambda p, x: jnp.sum(jnp.sin(x @ (p["w"] * s)))  # noqa: E731
     modes = []
 
-    def step(params, x, s):
-        modes.append(optclip.ghost_report(scaled(s), params, x)["['w']"].mode)
-        g = optclip.clipped_grad(scaled(s), l2_clip_norm=1.0, return_grad_norms=True)
-        return g(params, x)
+    def each(p, x, s):
+        s = s * (lax.axis_index("models") + 1.0)  # (the model's index, outside its loss)
+        modes.append(optclip.ghost_report(scaled(s), p, x)["['w']"].mode)
+        return optclip.clipped_grad(scaled(s), l2_clip_norm=1.0, return_grad_norms=True)(p, x)
 
-    traced = jax.jit(step)(params, x, jnp.float32(0.75))
-    written = jax.jit(lambda p, x: step(p, x, 0.75))(params, x)
-    assert modes == ["materialised", "ghost"]
-    norms, sums = gm.reference(scaled(0.75), params, x, 1.0)
-    for grads, aux in (traced, written):
-        np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
-        assert_tree_close(grads, sums)
+    multipliers = jnp.asarray([0.5, -1.0, 2.0], jnp.float32)
+    mapped = jax.vmap(each, axis_name="models")
+    grads, aux = run(mapped, mode)(params, x, multipliers)
+    assert set(modes) == {"ghost"}
+    for m in range(3):
+        own = {"w": params["w"][m]}
+        norms, sums = gm.reference(scaled(float(multipliers[m]) * (m + 1)), own, x[m], 1.0)
+        np.testing.assert_allclose(np.asarray(aux.grad_norms[m]), norms, rtol=RTOL)
+        assert_tree_close({"w": grads["w"][m]}, sums)
+
+
+@pytest.mark.parametrize("nan_safe", [True, False])
+@pytest.mark.parametrize("number", ["w * inf", "w * nan", "w / 0"])
+def test_a_traced_scale_not_finite_gives_what_the_materialising_way_gives(number, nan_safe):
+    """A traced number that is not finite (known only when the step runs) gives every example
+    a NaN norm, as the materialising way's infinity-times-zero entries do: the batch is
+    dropped (its sums 0) with `nan_safe`, its sums NaN without (those of the unused leaf `u`
+    too: ``sum_b w_b 0``, it gave 0): the same bits as ``method="vmap"``."""
+    value = {"w * inf": np.inf, "w * nan": np.nan}.get(number, 0.0)
+    scale = (lambda w, s: w / s) if number == "w / 0" else (lambda w, s: w * s)
+    make = lambda s: lambda p, x: jnp.sum(jnp.sin(x @ scale(p["w"], s)))  # noqa: E731
+    params = {"w": jnp.ones((3, 2)), "u": jnp.ones((3,))}
+    x = jnp.ones((4, 3))
+    out = {}
+    for method in ("auto", "vmap"):
+
+        def step(p, x, s, method=method):
+            g = optclip.clipped_grad(
+                make(s), l2_clip_norm=1.0, return_grad_norms=True, method=method, nan_safe=nan_safe
+            )
+            return g(p, x)
+
+        out[method] = jax.jit(step)(params, x, jnp.float32(value))
+    assert np.all(np.isnan(out["auto"][1].grad_norms))
+    np.testing.assert_array_equal(out["auto"][1].grad_norms, out["vmap"][1].grad_norms)
+    for leaf in ("w", "u"):
+        np.testing.assert_array_equal(out["auto"][0][leaf], out["vmap"][0][leaf])
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_the_gradient_with_respect_to_a_traced_scale(mode):
+    """`jax.grad` with respect to the multiplier, through the clipped sums and through the
+    norms (the weights held fixed, as every method holds them): the materialising way's."""
+    make, params, x, _, _, _ = _traced_models(np.random.default_rng(49))["tied"]
+    probe = jnp.asarray(np.random.default_rng(50).normal(size=(6, 6)), jnp.float32)
+    out = {}
+    for method in ("auto", "vmap"):
+
+        def objective(s, method=method):
+            g = optclip.clipped_grad(
+                make(s), l2_clip_norm=1.0, return_grad_norms=True, method=method
+            )
+            grads, aux = g(params, x)
+            return jnp.sum(grads["w"] * probe) + jnp.sum(aux.grad_norms)
+
+        out[method] = run(jax.value_and_grad(objective), mode)(jnp.float32(0.5))
+    np.testing.assert_allclose(out["auto"][0], out["vmap"][0], rtol=1e-5)
+    np.testing.assert_allclose(out["auto"][1], out["vmap"][1], rtol=1e-4)
+    assert float(out["auto"][1]) != 0.0
 
 
 def test_a_number_that_depends_on_where_it_runs_is_not_computed_while_tracing():

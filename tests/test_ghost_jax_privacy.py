@@ -56,6 +56,31 @@ def test_same_results_as_jax_privacy(case, method):
 
 
 @pytest.mark.parametrize("method", ["auto", "vmap"])
+@pytest.mark.parametrize("case", ["default", "outputs", "rescale"])
+def test_the_gradient_through_the_clip_as_jax_privacy(case, method):
+    """`jax.grad` of a function of the clipped sum (and of the norms): jax_privacy
+    differentiates through each example's clip factor; so does optclip (the ghost way held
+    the factors fixed, a different gradient)."""
+    loss, params, ids = gm.embedding(np.random.default_rng(1), tied=True)
+    kwargs = {"l2_clip_norm": 0.5, **CASES[case]}
+
+    def through(clipped):
+        def objective(p):
+            out = clipped(p, ids)
+            sums, aux = out if isinstance(out, tuple) else (out, None)
+            total = sum(jnp.sum(jnp.sin(g)) for g in jax.tree.leaves(sums))
+            if aux is not None and aux.grad_norms is not None:
+                total = total + jnp.sum(jnp.sqrt(aux.grad_norms + 1.0))
+            return total
+
+        return jax.value_and_grad(objective)(params)
+
+    theirs = through(jax_privacy.clipped_grad(loss, **kwargs))
+    ours = jax.jit(lambda: through(optclip.clipped_grad(loss, method=method, **kwargs)))()
+    assert_same(theirs, ours, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap"])
 def test_aux_keys_padding_and_argnums_as_jax_privacy(method):
     rng = np.random.default_rng(1)
     loss, params, x = gm.mlp(rng)

@@ -371,7 +371,7 @@ def over_layers(term):
     """The sum over the layers (axis 0) of squared norms given as ``(exponent, value)``."""
     exponent, value = term
     top = jnp.max(_counted(exponent, value), axis=0)
-    return top, jnp.sum(jnp.ldexp(value, 2 * (exponent - top)), axis=0)
+    return top, jnp.sum(_at_scale(value, exponent, top), axis=0)
 
 
 def add_terms(terms):
@@ -379,10 +379,26 @@ def add_terms(terms):
     top = _counted(*terms[0])
     for e, v in terms[1:]:
         top = jnp.maximum(top, _counted(e, v))
-    return top, sum(jnp.ldexp(v, 2 * (e - top)) for e, v in terms)
+    return top, sum(_at_scale(v, e, top) for e, v in terms)
+
+
+def _at_scale(value, exponent, top):
+    """A squared norm ``value * 4**exponent`` as a multiple of ``4**top``. A zero is not
+    shifted: below a `top` of `ZERO_EXPONENT` its shift overflows, and the derivative of the
+    shift (``2**shift``: infinity) times a zero cotangent was NaN in the gradient through the
+    norms."""
+    return jnp.ldexp(value, jnp.where(value == 0, 0, 2 * (exponent - top)))
 
 
 def combine(terms):
     """The norms (shape (B,)) of sums of squared norms given as ``(exponent, value)``."""
     top, total = add_terms(terms)
-    return jnp.ldexp(jnp.sqrt(total), top)
+    return jnp.ldexp(_root(total), top)
+
+
+def _root(total):
+    """``sqrt(total)``, its derivative 0 where `total` is 0 (a zero gradient: the materialising
+    way's norm is differentiated so too), not ``0 * inf``: `clipped_grad` is differentiated
+    through its norms (the clip factors), and NaN would reach every parameter."""
+    zero = total == 0  # (not ``total > 0``: a NaN or infinite total keeps its root)
+    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, total))).astype(total.dtype)

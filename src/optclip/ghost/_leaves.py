@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +38,8 @@ class LeafPlan:
     swapped: list
     reason: str
     groups: list = dataclasses.field(default_factory=list)  # uses whose cross terms count
-    scale: float = 1.0  # every use's view's (`_views.View.scale`): the norm is |scale| times
+    scale: Any = 1.0  # every use's view's (`_views.View.scale`, a float or traced): the norm is
+    # |scale| times its view's
 
 
 def plan_leaves(sites, count: int):
@@ -62,7 +64,7 @@ def _leaf_plan(uses) -> LeafPlan:
         return LeafPlan("materialised", uses, [], why)
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
-    scales = {view.scale for _, _, view in uses}
+    scales = {view.scale_key for _, _, view in uses}
     if len(scales) > 1:
         why = "used scaled by different numbers (no closed cross term written)"
         return LeafPlan("materialised", uses, [], why)
@@ -88,8 +90,11 @@ def _leaf_plan(uses) -> LeafPlan:
     why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
     if any(len(m) > 1 for m in groups.values()):
         why += " with cross terms"
-    if scales != {1.0}:
-        why += f", scaled by {scales.pop():g}"
+    key = scales.pop()
+    if isinstance(key, tuple):
+        why += ", scaled by a number traced outside the loss"
+    elif key != 1.0:
+        why += f", scaled by {key:g}"
     return LeafPlan("ghost", uses, swapped, why, list(groups.values()), uses[0][2].scale)
 
 
@@ -138,12 +143,29 @@ def ghost_terms(leaf_plan, uses, acc, scaled: bool):
         for group in leaf_plan.groups
     ]
     exponent, value = _factors.add_terms(terms)
+    if not isinstance(leaf_plan.scale, float):
+        return _traced_scale(exponent, value, leaf_plan.scale)
     if leaf_plan.scale == 1.0:
         return exponent, value
     # The views' scale, ``m * 2**k``: the squared norm times ``m**2 * 4**k``, its power of two
     # in the exponent (a scale whose square overflows or flushes stays exact).
     m, k = math.frexp(abs(leaf_plan.scale))
     return exponent + k, value * jnp.asarray(m * m, value.dtype)
+
+
+def _traced_scale(exponent, value, scale):
+    """`ghost_terms`' scaling by a number known when the step runs (traced outside the loss),
+    on the device: ``|scale| = m * 2**k`` as for a float, `m` taken from the number itself
+    (times exact powers of two) so that a gradient with respect to it passes; NaN where it is
+    not finite (the materialising way's per-example gradients are NaN there: infinity times
+    the zero of an entry)."""
+    work = jnp.promote_types(scale.dtype, jnp.float32)
+    s = jnp.abs(scale.astype(work))
+    _, k = jnp.frexp(lax.stop_gradient(s))
+    low, high = _factors.powers_of_two(-k, work)
+    m = (s * low * high).astype(value.dtype)
+    square = jnp.where(jnp.isfinite(m), m * m, jnp.asarray(jnp.nan, value.dtype))
+    return exponent + k.astype(exponent.dtype), value * square
 
 
 def equation(site):
@@ -173,10 +195,21 @@ def pull_back(site, leaves, cotangents):
     out: dict = {}
     for (_, view), ct in zip(site.views, cotangents, strict=True):
         source = leaves[view.leaf].astype(_per_example._work_dtype(leaves[view.leaf].dtype))
-        viewed = jax.eval_shape(view.stacked, source).dtype
-        (g,) = jax.linear_transpose(view.stacked, source)(ct.astype(viewed))
+        scale = view.scale
+        plain = view if isinstance(scale, float) else view.unscaled()
+        viewed = jax.eval_shape(plain.stacked, source).dtype
+        (g,) = jax.linear_transpose(plain.stacked, source)(ct.astype(viewed))
+        if plain is not view:
+            g = _times_traced(g, scale)
         out[view.leaf] = g if view.leaf not in out else out[view.leaf] + g
     return out
+
+
+def _times_traced(g, scale):
+    """A leaf's sum `g` times its views' scale traced outside the loss, a zero entry kept zero:
+    a scale not finite gives every example a NaN norm (`_traced_scale`), so that the batch is
+    dropped (its sums 0, as the materialising way's) or its weights are NaN (so are these)."""
+    return jnp.where(g == 0, jnp.zeros_like(g), g * scale.astype(g.dtype))
 
 
 def reductions_only(t) -> bool:

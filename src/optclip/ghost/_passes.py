@@ -123,7 +123,11 @@ def trace(one, flat: Flat):
     def flat_one(*leaves):
         return one(*flat.rebuild(leaves))
 
-    return _trace.trace(flat_one, single, flat.params)
+    shared = [  # (the arguments the same for every example: neither batched nor differentiated)
+        None if b or p else x
+        for x, b, p in zip(flat.leaves, flat.batched, flat.params, strict=True)
+    ]
+    return _trace.trace(flat_one, single, flat.params, shared)
 
 
 def batch_axis_spec(like):
@@ -221,8 +225,9 @@ def ghost_pass(one, args, kwargs, padding, s: Settings):
     t = tapped_pass(one, flatten(args, kwargs, s), s)
     terms, sides = _leaves.leaf_norm_terms(t)
     norms = _factors.combine(terms) if terms else jnp.zeros((t.size,), jnp.float32)
-    w, keep, finite = weights(lax.stop_gradient(norms), padding, s)
+    w, keep, finite = weights(norms, padding, s)
     sums = _sums.clipped_sums(t, w, keep, finite, sides, s.spmd_axis_name)
+    sums = _sums.unused_as_weighted(t, sums, w, keep)
     if s.dtype is not None:
         sums = [g.astype(s.dtype) for g in sums]
     return _as_grads(sums, args, s), norms, t.losses, t.aux

@@ -340,6 +340,20 @@ def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
     return branched()
 
 
+def unused_as_weighted(t, sums: list, w, keep) -> list:
+    """`sums` with each unused leaf's zeros NaN where a kept example's factor is not finite
+    (``nan_safe=False`` and a non-finite example): ``sum_b w_b 0``, as the materialising way
+    forms it, not 0 beside the other leaves' NaN."""
+    unused = [i for i, plan in enumerate(t.plans) if plan.mode == "unused"]
+    if not unused:
+        return sums
+    finite = jnp.all(jnp.isfinite(jnp.where(keep, w, 0)))
+    out = list(sums)
+    for i in unused:
+        out[i] = jnp.where(finite, out[i], jnp.asarray(jnp.nan, out[i].dtype))
+    return out
+
+
 def without_cond(t) -> bool:
     """Whether the clipped sums zero the dropped examples in every step on a CPU as well (as
     off a CPU, `clipped_sums`): where every norm is a reduction (`_leaves.reductions_only`) and

@@ -291,9 +291,11 @@ def _embed(site_id: int, eqn, used) -> Site:
     return Site(site_id, eqn, used, "embed", "embedding lookup (`gather`): ghost norm", layout)
 
 
-def trace(fun, args, param_mask):
+def trace(fun, args, param_mask, values=None):
     """The closed jaxpr of ``fun(*args)``, its output tree, and the `Plan` of its uses of the
-    leaves of `args` where `param_mask` (a list over the flattened `args`) is True."""
+    leaves of `args` where `param_mask` (a list over the flattened `args`) is True. `values`:
+    per flattened arg, its value where it is the same for every example (an argument neither
+    differentiated nor batched: a number the scalings may use, `_views.held`), else None."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*args)
     jaxpr = closed.jaxpr
     views = {}
@@ -303,5 +305,7 @@ def trace(fun, args, param_mask):
             views[var] = _views.View(leaf, tuple(var.aval.shape))
             leaf += 1
     known = _views.held(jaxpr.constvars, closed.consts)
+    if values is not None:
+        known |= _views.held(jaxpr.invars, values)
     plan, _ = analyse(jaxpr, views, {0}, known=known)  # (the loss; `has_aux`'s outputs follow)
     return closed, out_shape, plan

@@ -7,8 +7,10 @@ written in the loss (``w * 0.5``, ``2.0 * w``, ``w / 3.0``, ``-w``: muP's or an 
 learning rate's multipliers; the gradient of the leaf is that number times the view's, so a
 ghost norm is its absolute value times the view's; a number the loss computes from such
 numbers and from constants it holds, ``w * jnp.sqrt(1 / d)``, ``w * lax.rsqrt(d)``, is one
-too: `fold` computes it while the loss is traced), and inside the `scan` bodies it enters
-(sliced as stacked layers, or the same at every step). An identity that only names or orders
+too: `fold` computes it while the loss is traced; so is a number traced outside the loss, the
+same for every example, ``w * s`` with ``s`` an argument of the caller's `jit`: its value is
+the step's, and the norm's scale is computed on the device), and inside the `scan` bodies it
+enters (sliced as stacked layers, or the same at every step). An identity that only names or orders
 it (``checkpoint_name`` for a rematerialisation policy, ``optimization_barrier``) leaves the
 view as it is. `_trace` builds views while it walks the loss's jaxpr.
 """
@@ -83,9 +85,10 @@ class View:
         return View(self.leaf, self.shape, self.chain + ((SCALED, scaled),))
 
     @property
-    def scale(self) -> float:
+    def scale(self):
         """The number the chain multiplies the leaf by (1.0 for none): the gradient of the
-        leaf is this times the view's."""
+        leaf is this times the view's. A float, or a traced scalar where a number in the chain
+        is traced outside the loss (`traced`)."""
         out = 1.0
         for primitive, params in self.chain:
             if primitive == SCALED:
@@ -93,8 +96,26 @@ class View:
                 if scaling.name == "neg":
                     out = -out
                 else:
-                    out = out * float(number) if scaling.name == "mul" else out / float(number)
+                    number = number if traced(number) else float(number)
+                    out = out * number if scaling.name == "mul" else out / number
         return out
+
+    @property
+    def scale_key(self):
+        """What `scale` is, comparable between views: the float, or for a chain with a traced
+        number the chain's scalings with each traced number by identity (views scaled by the
+        same traced value compare equal; the same value computed twice does not)."""
+        numbers = [params for primitive, params in self.chain if primitive == SCALED]
+        if not any(traced(number) for _, _, number in numbers):
+            return self.scale
+        return tuple(
+            (s.name, ("traced", id(n)) if traced(n) else None if n is None else float(n))
+            for s, _, n in numbers
+        )
+
+    def unscaled(self) -> View:
+        """The view without its scalings (the leaf's gradient is `scale` times its)."""
+        return View(self.leaf, self.shape, tuple(e for e in self.chain if e[0] != SCALED))
 
     def enter_scan(self, sliced: bool, length: int) -> View:
         """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
@@ -172,10 +193,12 @@ class View:
 
 def scaling(eqn, used, known):
     """The number a `mul`, `div` or `neg` multiplies its one view by, when that number is
-    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``) or computed
-    from such numbers (`known`: `fold`'s), None for ``-w``, else False (a product of two views,
-    a scale that depends on the data, the parameters or a value traced outside the loss, a
-    division by the view or by 0, a number not finite, or a `mul` by an array: each a site)."""
+    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``), computed
+    from such numbers (`known`: `fold`'s) or traced outside the loss (a scalar the caller's
+    `jit` traces, the same for every example: returned traced, its value the step's), None
+    for ``-w``, else False (a product of two views, a scale that depends on the data or the
+    parameters, a division by the view or by a written 0, a written number not finite, or a
+    `mul` by an array: each a site)."""
     name = eqn.primitive.name
     if name not in SCALINGS or len(used) != 1 or not _jaxprs.is_float(eqn.outvars[0]):
         return False
@@ -186,6 +209,8 @@ def scaling(eqn, used, known):
     value = constant(other, known)
     if value is None or value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
         return False
+    if traced(value):
+        return value if name == "mul" or pos == 0 else False
     number = float(value)
     if not math.isfinite(number) or (name == "div" and (pos != 0 or number == 0)):
         return False  # (a site: JAX's own infinities and NaNs, materialised)
@@ -193,7 +218,8 @@ def scaling(eqn, used, known):
 
 
 def constant(var, known):
-    """The value of `var` as a NumPy array where it is a literal or in `known`, else None."""
+    """The value of `var` where it is a literal or in `known` (a NumPy array, or a traced
+    scalar: `held`), else None."""
     if isinstance(var, jcore.Literal):
         return np.asarray(var.val, getattr(var.aval, "dtype", None))
     return known.get(var) if isinstance(var, jcore.Var) else None
@@ -201,18 +227,26 @@ def constant(var, known):
 
 def held(variables, values) -> dict:
     """``{variable: value}`` for the scalars among `values` (a jaxpr's consts, a call's
-    operands: arrays the loss holds) that are known while it is traced, not a value traced
-    outside it (a `Tracer`: the same for every example, but not a number here). A scalar held
-    on a device is read once, while tracing (`_while_tracing`)."""
+    operands: numbers the loss holds or is passed). A scalar held on a device is read once,
+    while tracing (`_while_tracing`); one traced outside the loss (a `Tracer` of the caller's
+    `jit`, `vmap` or `scan`: not an argument of the loss, so the same for every example) is
+    kept traced: its value is known when the step runs, in the trace the step runs in."""
+    out = {}
     with _while_tracing():
-        return {
-            var: np.asarray(value)
-            for var, value in zip(variables, values, strict=True)
-            if isinstance(var, jcore.Var)
-            and value is not None
-            and not isinstance(value, jax.core.Tracer)
-            and not np.shape(value)
-        }
+        for var, value in zip(variables, values, strict=True):
+            if not isinstance(var, jcore.Var) or value is None or np.shape(value):
+                continue
+            if traced(value):
+                if _scalar(value):
+                    out[var] = value
+            else:
+                out[var] = np.asarray(value)
+    return out
+
+
+def traced(value) -> bool:
+    """Whether a known number is traced outside the loss (its value the step's)."""
+    return isinstance(value, jax.core.Tracer)
 
 
 def fold(eqn, known) -> bool:
@@ -221,7 +255,8 @@ def fold(eqn, known) -> bool:
     equations (``jnp.clip``). ``jnp.sqrt(1 / d)`` and its conversion to the weight's dtype
     are, so that a weight scaled by it is a view; a collective (``lax.psum(1, axis)``, whose
     value is the mesh's), a random number or a loop is not. Returns whether it did. The
-    traced loss computes it again; the value is the same to rounding."""
+    traced loss computes it again; the value is the same to rounding. With a number traced
+    outside the loss among its operands it is computed in the caller's trace (traced too)."""
     values = [constant(v, known) for v in eqn.invars]
     if any(v is None or not _scalar(v) for v in values):
         return False
@@ -235,6 +270,9 @@ def fold(eqn, known) -> bool:
         outs = [constant(v, inner) for v in called[0].outvars]
         if any(o is None for o in outs):
             return False
+    elif eqn.primitive.name in ARITHMETIC and any(traced(v) for v in values):
+        out = eqn.primitive.bind(*values, **eqn.params)  # (in the caller's trace, with them)
+        outs = list(out) if eqn.primitive.multiple_results else [out]
     elif eqn.primitive.name in ARITHMETIC:
         with _while_tracing(), jax.ensure_compile_time_eval():
             out = eqn.primitive.bind(*values, **eqn.params)
