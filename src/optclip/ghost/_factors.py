@@ -383,10 +383,8 @@ def add_terms(terms):
 
 
 def _at_scale(value, exponent, top):
-    """A squared norm ``value * 4**exponent`` as a multiple of ``4**top``. A zero is not
-    shifted: below a `top` of `ZERO_EXPONENT` its shift overflows, and the derivative of the
-    shift (``2**shift``: infinity) times a zero cotangent was NaN in the gradient through the
-    norms."""
+    """``value * 4**exponent`` as a multiple of ``4**top``; a zero unshifted (below a `top` of
+    `ZERO_EXPONENT` the shift's derivative is infinite: NaN in the gradient through norms)."""
     return jnp.ldexp(value, jnp.where(value == 0, 0, 2 * (exponent - top)))
 
 
@@ -397,8 +395,6 @@ def combine(terms):
 
 
 def _root(total):
-    """``sqrt(total)``, its derivative 0 where `total` is 0 (a zero gradient: the materialising
-    way's norm is differentiated so too), not ``0 * inf``: `clipped_grad` is differentiated
-    through its norms (the clip factors), and NaN would reach every parameter."""
-    zero = total == 0  # (not ``total > 0``: a NaN or infinite total keeps its root)
-    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, total))).astype(total.dtype)
+    """``sqrt(total)``, its derivative 0 at 0 (as the materialising way's norm), not NaN: the
+    gradient through `clipped_grad` passes through the norms. NaN and infinity keep theirs."""
+    return jnp.where(total == 0, 0, jnp.sqrt(jnp.where(total == 0, 1, total))).astype(total.dtype)
