@@ -1,7 +1,7 @@
 """Private training of models the ghost engine once materialised: memory of each per-example
 clipping method.
 
-    python benchmarks/private_frozen.py [--quick] [--model frozen|scaled|traced]
+    python benchmarks/private_frozen.py [--quick] [--model frozen|scaled|tied|traced]
         [--batches 16 64]
         [--json out.json]
 
@@ -13,7 +13,10 @@ whose weights are multiplied by numbers before their layers, as muP parametrises
 (unit-variance weights; the embedding, 4 residual dense blocks times ``jnp.sqrt(1 / d)``,
 computed in the loss, and the output layer times ``1 / d``, written; vocabulary 8192, d=256,
 T=32). ``--model traced``: the same, the blocks' multiplier an argument of the jitted step
-(a schedule's value, traced by the step's ``jit``; the loss closes over it). Side by side
+(a schedule's value, traced by the step's ``jit``; the loss closes over it). ``--model
+tied``: ``scaled``'s with its output layer tied to the embedding, the table looked up as it is
+and multiplied by ``1 / d`` as the output layer (one leaf used scaled by two numbers). Side by
+side
 in one process, XLA's compiled memory analysis of each jitted step (arguments + outputs +
 temporaries, less what outputs alias; no run), as a ratio to the non-private step:
 ``optclip.clipped_grad`` (the frozen table's uses pass no gradient back, the scaled weights are
@@ -67,23 +70,29 @@ def scaled_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
     return make(None), params
 
 
-def traced_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
-    """``(make, params)``: `scaled_model`'s, ``make(m)`` its loss with the blocks' multiplier
-    `m` (None: ``jnp.sqrt(1 / d)`` computed in the loss)."""
+def tied_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
+    """``(loss, params)``: `scaled_model`'s with the output layer the embedding's table,
+    transposed and multiplied by ``1 / d`` (looked up as it is: two numbers on one leaf)."""
+    make, params = traced_model(vocab, d, seq, blocks, seed, tied=True)
+    return make(None), params
+
+
+def traced_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0, tied: bool = False):
+    """``(make, params)``: `scaled_model`'s (`tied_model`'s with `tied`), ``make(m)`` its loss
+    with the blocks' multiplier `m` (None: ``jnp.sqrt(1 / d)`` computed in the loss)."""
     rng = np.random.default_rng(seed)
     normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)  # noqa: E731
-    params = {
-        "embed": normal(vocab, d),
-        "blocks": [normal(d, d) for _ in range(blocks)],
-        "head": normal(d, vocab),
-    }
+    params = {"embed": normal(vocab, d), "blocks": [normal(d, d) for _ in range(blocks)]}
+    if not tied:
+        params["head"] = normal(d, vocab)
 
     def make(m):
         def loss(p, ids):  # the mean over one example's tokens of the next token's log-loss
             h = p["embed"][ids]
             for w in p["blocks"]:
                 h = h + jnp.tanh(h @ (w * (jnp.sqrt(1 / d) if m is None else m)))
-            logp = jax.nn.log_softmax((h @ (p["head"] * (1 / d)))[:, :-1])
+            head = p["embed"].T if tied else p["head"]
+            logp = jax.nn.log_softmax((h @ (head * (1 / d)))[:, :-1])
             return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1))
 
         return loss
@@ -91,7 +100,12 @@ def traced_model(vocab: int, d: int, seq: int, blocks: int = 4, seed: int = 0):
     return make, params
 
 
-MODELS = {"frozen": frozen_model, "scaled": scaled_model, "traced": traced_model}
+MODELS = {
+    "frozen": frozen_model,
+    "scaled": scaled_model,
+    "tied": tied_model,
+    "traced": traced_model,
+}
 
 
 def measure(batches, quick: bool, budget_gib: float, model: str = "frozen") -> list[dict]:

@@ -5,7 +5,8 @@ and with every weight held whole by a sharding constraint) equals the same call 
 on the common path and on the paths taken for gradients whose squares overflow and for a
 dropped non-finite example, with the norms' Grams batched and one example at a time, with
 the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too), and
-with every parameter scaled by a number the loss computes (a view of each weight).
+with every parameter scaled by a number the loss computes (a view of each weight), and by one
+the step traces (an argument of the jitted step, passed to the loss unbatched).
 Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
@@ -46,9 +47,13 @@ def main():
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
         variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
         if name != "tied":  # every parameter times a number the loss computes (muP's: its
-            # weights are views, computed while tracing)
+            # weights are views, computed while tracing), or one the step traces
             scaled = lambda p, x, loss=loss: loss(jax.tree.map(root, p), x)  # noqa: E731
             variants.append(("scaled", scaled, x, None))
+            traced = lambda p, x, s, loss=loss: loss(  # noqa: E731
+                jax.tree.map(lambda a: a * s, p), x
+            )
+            variants.append(("traced", traced, x, None))
         if axis_type == AxisType.Auto:  # the norms one example at a time (as on a CPU when
             variants.append(("looped", loss, x, None))  # one example's Grams are large)
         if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does
@@ -65,16 +70,18 @@ def main():
             label = "/".join(filter(None, (name, axis_type.name, variant)))
             _leaves.LOOP_WORK = 0 if variant == "looped" else loop_work
             _interpret._pinned = _interpret.in_row_major if variant == "pinned" else pinned
-            checks += compare(f, params, data, pad, mesh, label)
+            number = (jax.numpy.float32(-0.75),) if variant == "traced" else ()
+            checks += compare(f, params, data, pad, mesh, label, number)
         _leaves.LOOP_WORK, _interpret._pinned = loop_work, pinned
     print("ok", " ".join(checks))
 
 
-def compare(loss, params, x, padding, mesh, label):
+def compare(loss, params, x, padding, mesh, label, number=()):
     """`clipped_grad` jitted over `x` split over the mesh (plain jit, `spmd_axis_name`, and
     under explicit sharding `method="vmap"` too; under automatic sharding, with no mesh
     context as well, the parameters replicated or split) against the same call on one
-    device."""
+    device; `number` the loss's arguments after the batch (neither batched nor
+    differentiated: traced by the jitted step)."""
     import contextlib
 
     import jax
@@ -85,7 +92,7 @@ def compare(loss, params, x, padding, mesh, label):
 
     kwargs = {} if padding is None else {"is_padding_example": padding}
     single = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    expected = jax.jit(single)(params, x, **kwargs)
+    expected = jax.jit(single)(params, x, *number, **kwargs)
     sharded = NamedSharding(mesh, PartitionSpec("data"))
     sharded_x = jax.device_put(x, sharded)
     kwargs = {k: jax.device_put(v, sharded) for k, v in kwargs.items()}
@@ -112,7 +119,7 @@ def compare(loss, params, x, padding, mesh, label):
     done = []
     for name, fn, in_context, weights in contenders:
         with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():
-            got = jax.jit(fn)(weights, sharded_x, **kwargs)
+            got = jax.jit(fn)(weights, sharded_x, *number, **kwargs)
         for a, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
             e = np.asarray(e, np.float64)
             largest = np.max(np.abs(e[np.isfinite(e)]), initial=0)

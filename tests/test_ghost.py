@@ -37,13 +37,30 @@ MODELS = {
 
 
 def check_against_reference(
-    loss, params, x, clip, method="auto", mode="jit", norm_floor=0.0, whole=False, **kwargs
+    loss,
+    params,
+    x,
+    clip,
+    method="auto",
+    mode="jit",
+    norm_floor=0.0,
+    whole=False,
+    traced=None,
+    **kwargs,
 ):
     """`clipped_grad`'s norms and sum against the float64 reference: norms within `RTOL` of
     each (plus `norm_floor` times the largest), the sum's leaves within `RTOL` of their
-    largest entry (of the whole sum's, with `whole`)."""
-    g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
-    grads, aux = run(g, mode)(params, x, **kwargs)
+    largest entry (of the whole sum's, with `whole`). With a `traced` number, ``loss(s)`` is
+    the loss, `s` an argument of the jitted step (traced), `traced` the reference's."""
+    clipped = lambda f: optclip.clipped_grad(  # noqa: E731
+        f, l2_clip_norm=clip, return_grad_norms=True, method=method
+    )
+    if traced is None:
+        grads, aux = run(clipped(loss), mode)(params, x, **kwargs)
+    else:
+        step = lambda p, x, s: clipped(loss(s))(p, x, **kwargs)  # noqa: E731
+        grads, aux = jax.jit(step)(params, x, jnp.float32(traced))
+        loss = loss(traced)
     norms, sums = gm.reference(loss, params, x, clip, kwargs.get("is_padding_example"))
     atol = norm_floor * np.max(norms)
     np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL, atol=atol)
@@ -479,7 +496,7 @@ def test_norms_are_computed_unscaled_only_where_that_is_exact(shifts, sizes, see
     # and at ordinary magnitudes it does let it. Where the sum's terms cancel, float32's
     # rounding is relative to the terms, not to the sum: its square is then within 1e-6 of
     # the squared norm of the terms' magnitudes (BUILD_NOTES, "Cancellation").
-    from optclip.ghost import _factors
+    from optclip.ghost import _factors, _pairs
 
     k, sx, sy = sizes
     rng = np.random.default_rng(seed)
@@ -496,7 +513,7 @@ def test_norms_are_computed_unscaled_only_where_that_is_exact(shifts, sizes, see
     if max(map(abs, shifts)) <= 10:
         assert safe.all()
     for scaled in (True, False):
-        e, v = _factors.leaf_terms([(fx, fy)], jnp.float32, scaled)
+        e, v = _pairs.leaf_terms([(fx, fy)], jnp.float32, scaled)
         got = np.float64(np.asarray(jnp.ldexp(jnp.sqrt(v), e)))
         where = np.ones_like(safe) if scaled else safe
         # (a norm past float32's range is inf, and one below its normal numbers flushes to 0,
@@ -1326,20 +1343,27 @@ def test_arguments_that_cannot_be_differentiated_or_split_are_named(method):
         assert grads == {} and aux.grad_norms.shape == (4,) and np.all(aux.grad_norms == 0)
 
 
-MULTIPLIERS = {  # (what multiplies the embedding, dense and output weights before their layers)
-    "none": lambda v, d: v,
-    "written": lambda v, d: v * 0.5,
-    "computed": lambda v, d: v * jnp.sqrt(1 / d),  # (muP's, computed while tracing)
-    "negated": lambda v, d: -v,
+MULTIPLIERS = {  # (what multiplies the embedding, dense and output weights before their
+    # layers, given the width `d` and `random_model`'s `number`)
+    "none": lambda v, d, s: v,
+    "written": lambda v, d, s: v * 0.5,
+    "computed": lambda v, d, s: v * jnp.sqrt(1 / d),  # (muP's, computed while tracing)
+    "negated": lambda v, d, s: -v,
+    "apart": lambda v, d, s: v * 0.5,  # (and a tied table's output use by 1 / d: `OUTPUT`)
+    "traced": lambda v, d, s: v * s,  # (an argument of the jitted step: `TRACED`)
 }
+TRACED = -0.75  # (the "traced" multiplier's value)
+OUTPUT = {"apart": lambda d: 1 / d}  # (a tied table's output use scaled by its own number)
 
 
-def random_model(draw_sizes, tied, scanned, magnitude, multiplier="none"):
+def random_model(draw_sizes, tied, scanned, magnitude, multiplier="none", number=TRACED):
     """A small random model: an embedding (tied to the output or not), dense layers with
     biases (stacked under a scan or not), LayerNorm-like scale; gradients scaled by
-    `magnitude`; the weights scaled by one of `MULTIPLIERS` before their layers."""
+    `magnitude`; the weights scaled by one of `MULTIPLIERS` before their layers (a tied
+    table's output use by `OUTPUT`'s number more, its two uses then scaled by two numbers;
+    "traced" multiplies by `number`)."""
     vocab, d, t, layers, batch, seed = draw_sizes
-    scale = MULTIPLIERS[multiplier]
+    scale = lambda v, d: MULTIPLIERS[multiplier](v, d, number)  # noqa: E731
     rng = np.random.default_rng(seed)
     params = {
         "embed": jnp.asarray(rng.normal(size=(vocab, d)), jnp.float32),
@@ -1360,7 +1384,8 @@ def random_model(draw_sizes, tied, scanned, magnitude, multiplier="none"):
         else:
             for i in range(layers):
                 h = jnp.tanh(h @ scale(p["w"][i], d) + p["b"][i])
-        logits = (h * p["g"]) @ (embed.T if tied else scale(p["out"], d))
+        tied_out = embed.T * OUTPUT[multiplier](d) if multiplier in OUTPUT else embed.T
+        logits = (h * p["g"]) @ (tied_out if tied else scale(p["out"], d))
         return jnp.sum(jax.nn.log_softmax(logits)[..., 0]) * magnitude
 
     ids = jnp.asarray(rng.integers(0, vocab, size=(batch, t)))
@@ -1404,21 +1429,29 @@ def drawn(sizes, tied, scanned, magnitude, clip, looped, multiplier="none"):
 @drawn((6, 2, 1, 1, 1, 345533), False, False, 1.0, 0.1, False)
 # (every weight scaled by a computed number: a tied table, stacked layers)
 @drawn((5, 4, 3, 2, 3, 7), True, True, 1e-20, 0.1, True, "computed")
+# (a tied table's uses scaled by two numbers; every weight by a number the step traces)
+@drawn((5, 4, 3, 2, 3, 8), True, False, 1e20, 0.1, False, "apart")
+@drawn((5, 4, 3, 2, 3, 9), True, True, 1.0, 0.1, True, "traced")
 def test_random_models_match_the_float64_reference(
     sizes, tied, scanned, magnitude, clip, looped, multiplier
 ):
-    """Random models against float64, their weights scaled by a multiplier or not; every
-    weight goes ghost (the biases and the LayerNorm-like scale are materialised)."""
+    """Random models against float64, their weights scaled by a multiplier or not (a tied
+    table's two uses by two numbers: "apart"; a number the jitted step traces: "traced");
+    every weight goes ghost (the biases and the LayerNorm-like scale are materialised)."""
     from optclip.ghost import _leaves
 
     loss, params, ids = random_model(sizes, tied, scanned, magnitude, multiplier)
+    make = None
+    if multiplier == "traced":  # (the number an argument of the jitted step)
+        make = lambda s: random_model(sizes, tied, scanned, magnitude, multiplier, s)[0]  # noqa: E731
+        loss = make(jnp.float32(TRACED))  # (eager: the report sees a traced number nowhere)
     modes = {k: r.mode for k, r in optclip.ghost_report(loss, params, ids).items()}
     weights = {k for k in modes if k in ("['embed']", "['out']", "['w']")}
     assert {modes[k] for k in weights} == {"ghost"}, modes
     loop_work = _leaves.LOOP_WORK
     _leaves.LOOP_WORK = 0 if looped else loop_work  # (the norms one example at a time)
     try:
-        _check_random_model(loss, params, ids, clip, magnitude)
+        _check_random_model(make or loss, params, ids, clip, magnitude, make is not None)
     finally:
         _leaves.LOOP_WORK = loop_work
 
@@ -1525,12 +1558,15 @@ def test_a_site_shared_by_the_batch_has_each_examples_output_gradient(name, way,
     assert_tree_close(grads, sums)
 
 
-def _check_random_model(loss, params, ids, clip, magnitude):
+def _check_random_model(loss, params, ids, clip, magnitude, traced=False):
     # A tied embedding's two uses may nearly cancel: the Gram route's error is relative to the
     # uses' norms, squared (hypothesis found 1.03e-5 on a norm 25x below the batch's largest).
     # A small leaf of a random model may carry the float32 model's own rounding (1.3e-5 of an
     # embedding's largest entry, 160x below the sum's; the same with method="vmap").
-    check_against_reference(loss, params, ids, clip * magnitude, norm_floor=1e-6, whole=True)
+    number = TRACED if traced else None  # (`loss` then makes the loss from the number)
+    check_against_reference(
+        loss, params, ids, clip * magnitude, norm_floor=1e-6, whole=True, traced=number
+    )
 
 
 @pytest.mark.slow
@@ -1557,6 +1593,7 @@ def test_a_batch_sharded_over_eight_devices():
         assert pinned in done.stdout, done.stdout
     for scaled in ("mlp/Explicit/scaled/vmap", "transformer/Auto/scaled/parameters split"):
         assert scaled in done.stdout, done.stdout
+        assert scaled.replace("scaled", "traced") in done.stdout, done.stdout
     for classic in ("no mesh context", "parameters split"):  # (not under `jax.set_mesh`)
         assert f"transformer/Auto/{classic}" in done.stdout, done.stdout
         assert f"transformer/Auto/held/{classic}" in done.stdout, done.stdout
@@ -1614,8 +1651,20 @@ def _scaled_models(rng):
         v = p["w"] * 0.5
         return jnp.sum(jnp.sin(jnp.tanh(x @ v) @ v.T))
 
-    def unequal(p, x):  # two uses, two scales: no closed cross term
+    def unequal(p, x):  # two uses, two scales: the cross term scaled by their product
         return jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * 0.5)) @ p["w"]))
+
+    def opposite(p, x):  # two scales of opposite signs: the cross term's sign turns
+        return jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * -2.0)) @ (p["w"] * 0.25)))
+
+    def far_apart(p, x):  # a huge number beside the weight as it is, the first use's
+        # gradient zero for some examples: there the second's terms must not be shifted by
+        # the first's power of two (they would flush: a norm of 0)
+        kept = (jnp.sum(x) > 0).astype(x.dtype)
+        return jnp.sum(((x * kept) @ (p["w"] * 1e20)) * x) + jnp.sum(jnp.sin(x @ p["w"]))
+
+    def tied_output(p, i):  # a tied embedding whose output use carries muP's multiplier
+        return jnp.sum(jnp.sin(jnp.tanh(p["w"][i]) @ (p["w"].T * 0.125)))
 
     held = jnp.asarray(0.375, jnp.float32)  # (a constant the loss holds: the jaxpr's const)
     rooted = jax.jit(lambda v, x: x @ (v * lax.rsqrt(jnp.float32(4))))  # (computed in a call)
@@ -1640,7 +1689,10 @@ def _scaled_models(rng):
         "named": (named, (6, 6), "ghost", "dense"),
         "stacked": (stacked, (3, 6, 6), "ghost", "scaled by 0.3"),
         "tied": (tied, (6, 6), "ghost", "with cross terms, scaled by 0.5"),
-        "unequal": (unequal, (6, 6), "materialised", "used scaled by different numbers"),
+        "unequal": (unequal, (6, 6), "ghost", "each use scaled by its own number (0.5, 1)"),
+        "opposite signs": (opposite, (6, 6), "ghost", "its own number (-2, 0.25)"),
+        "far apart": (far_apart, (6, 6), "ghost", "each use scaled by its own number (1e+20, 1)"),
+        "tied, the output scaled": (tied_output, (7, 6), "ghost", "own number (1, 0.125)"),
         "a computed root": (*dense(lambda v: v * jnp.sqrt(1 / 64)), "ghost", "scaled by 0.125"),
         "divided by a root": (*dense(lambda v: v / jnp.sqrt(16)), "ghost", "scaled by 0.25"),
         "a held constant": (*dense(lambda v: v * held), "ghost", "scaled by 0.375"),
@@ -1674,7 +1726,7 @@ def _scaled_models(rng):
         ),
     }
     return {
-        name: (loss, {"w": w(*shape)}, ids if name == "a table" else x, mode, why)
+        name: (loss, {"w": w(*shape)}, ids if shape == (7, 6) else x, mode, why)
         for name, (loss, shape, mode, why) in models.items()
     }
 
@@ -1685,8 +1737,9 @@ def test_a_weight_scaled_named_or_behind_a_barrier_stays_ghost(name, mode):
     """A weight multiplied or divided by a number written in the loss, or negated (muP's and
     an equalised learning rate's multipliers), is a view: its norm is the number's absolute
     value times the view's, exact where the squares overflow or flush ("huge", "tiny"); two
-    uses scaled alike keep their cross term, scaled differently are materialised. So is a
-    number the loss computes from written numbers and constants it holds (``jnp.sqrt(1 /
+    uses keep their cross term, scaled by the product of their numbers (with its sign, and
+    exact where one number is huge and the other 1: "far apart"). So is a number the loss
+    computes from written numbers and constants it holds (``jnp.sqrt(1 /
     d)``, in a call, passed to one, into a scan), but not one that differs by example. A weight
     named for a rematerialisation policy (`checkpoint_name`) or behind an
     `optimization_barrier` is the weight itself. Each was materialised, a weight per example."""
@@ -1776,6 +1829,7 @@ def _traced_models(rng):
     dense = lambda f: lambda s: lambda p, x: jnp.sum(jnp.sin(x @ f(p["w"], s)))  # noqa: E731
     linear = lambda f: lambda s: lambda p, x: jnp.sum((x @ f(p["w"], s)) * x)  # noqa: E731
     traced = "scaled by a number traced outside the loss"
+    some = "some traced outside the loss"
 
     def tied(s):  # two uses of one scaled view: the cross term scaled by its square
         def loss(p, x):
@@ -1789,8 +1843,19 @@ def _traced_models(rng):
             lax.scan(lambda h, v: (jnp.tanh(h @ (v * s)), None), x, p["w"])[0]
         )
 
-    def two_numbers(s):  # two uses, two traced numbers: no closed cross term
+    def two_numbers(s):  # two uses, two traced numbers: the cross term times their product
         return lambda p, x: jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * s)) @ (p["w"] * (2 * s))))
+
+    def and_written(s):  # one use traced, the other scaled by a written number
+        return lambda p, x: jnp.sum(jnp.sin(jnp.tanh(x @ (p["w"] * s)) @ (p["w"] * 0.5)))
+
+    def and_the_weight(s):  # one use traced (huge, zero for some examples), the other the
+        # weight as it is (as "far apart" in `_scaled_models`)
+        def loss(p, x):
+            kept = (jnp.sum(x) > 0).astype(x.dtype)
+            return jnp.sum(((x * kept) @ (p["w"] * s)) * x) + jnp.sum(jnp.sin(x @ p["w"]))
+
+        return loss
 
     models = {
         "times": (dense(lambda v, s: v * s), (6, 6), 0.75, "ghost", traced),
@@ -1815,7 +1880,9 @@ def _traced_models(rng):
         "tiny": (linear(lambda v, s: v * s), (6, 6), 1e-25, "ghost", traced),
         "tied": (tied, (6, 6), 0.5, "ghost", "with cross terms, " + traced),
         "stacked": (stacked, (3, 6, 6), 0.3, "ghost", traced),
-        "two numbers": (two_numbers, (6, 6), 0.5, "materialised", "different numbers"),
+        "two numbers": (two_numbers, (6, 6), 0.5, "ghost", "own number, " + some),
+        "and a written one": (and_written, (6, 6), -3.0, "ghost", "own number, " + some),
+        "and the weight": (and_the_weight, (6, 6), 1e20, "ghost", "own number, " + some),
         "a table": (
             lambda s: lambda p, i: jnp.sum(jnp.sin((p["w"] * s)[i])),
             (7, 6),
@@ -1961,10 +2028,13 @@ def test_a_traced_scale_not_finite_gives_what_the_materialising_way_gives(number
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
-def test_the_gradient_with_respect_to_a_traced_scale(mode):
+@pytest.mark.parametrize("name", ["tied", "and a written one"])
+def test_the_gradient_with_respect_to_a_traced_scale(name, mode):
     """`jax.grad` with respect to the multiplier, through the clipped sums and through the
-    norms (the weights held fixed, as every method holds them): the materialising way's."""
-    make, params, x, _, _, _ = _traced_models(np.random.default_rng(49))["tied"]
+    norms (the weights held fixed, as every method holds them): the materialising way's, for
+    a weight used twice scaled by it ("tied") and used scaled by it and by a written number
+    (the cross term times their product)."""
+    make, params, x, _, _, _ = _traced_models(np.random.default_rng(49))[name]
     probe = jnp.asarray(np.random.default_rng(50).normal(size=(6, 6)), jnp.float32)
     out = {}
     for method in ("auto", "vmap"):

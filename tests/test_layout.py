@@ -45,6 +45,7 @@ LAYERS = [
     ["ghost._trace"],  # where the parameters are used: sites and plans (the jaxpr walk)
     ["ghost._interpret"],  # the per-example loss evaluated with taps at the sites
     ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms
+    ["ghost._pairs"],  # a leaf's norm over every pair of its uses, each scaled by its number
     ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised
     ["ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)
     ["ghost._passes"],  # the ghost and the vmap passes: norms, weights, clipped sum

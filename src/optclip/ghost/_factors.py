@@ -333,32 +333,6 @@ def safe(x: Factor, y: Factor):
     return fits | (ex == ZERO_EXPONENT) | (ey == ZERO_EXPONENT)
 
 
-def leaf_terms(uses, acc, scaled: bool = True):
-    """``(exponent, value)`` of one leaf's squared norm per layer and example, shape ``(L,
-    B)``, from its uses' factors ``[(x, y)]`` (aligned to one layout): the sum over every pair
-    of uses. With `scaled`, each factor is first divided by its magnitude (exact at every
-    magnitude); without, the exponent is 0 (where every use is `safe`, the same values: a
-    power of two divides exactly)."""
-    if scaled:
-        uses = [(x.scaled(), y.scaled(), x.exponent + y.exponent) for x, y in uses]
-    else:
-        zero = jnp.zeros_like(uses[0][1].exponent)  # (split over a mesh like the batch)
-        uses = [(x, y, zero) for x, y in uses]
-    top = uses[0][2]
-    for _, _, e in uses[1:]:
-        top = jnp.maximum(top, e)
-    total: Any = 0
-    for i, (xi, yi, ei) in enumerate(uses):
-        for j in range(i, len(uses)):
-            xj, yj, ej = uses[j]
-            if i == j:
-                term = self_term(xi, yi, acc)
-            else:
-                term = 2 * pair_term(xi, yi, xj, yj, acc)
-            total = total + (jnp.ldexp(term, ei + ej - 2 * top) if scaled else term)
-    return top, jnp.maximum(total, 0)
-
-
 def _counted(exponent, value):
     """The exponent a term sets the scale of a sum by: its own, or `ZERO_EXPONENT` where its
     value is 0 (an unused leaf's, a leaf scaled by 0, a gradient whose rows cancel exactly,

@@ -3,8 +3,9 @@ from its per-example gradient, materialised for that leaf only.
 
 A leaf goes *ghost* when every use is a dense, embedding or convolution site and all of them
 share one layout (or its transpose: the input and output embeddings of a tied model); its
-squared norm is then the sum over every pair of uses (`_factors.leaf_terms`, the cross terms
-included), from the records and output gradients of its sites. Any other leaf is
+squared norm is then the sum over every pair of uses (`_pairs.leaf_terms`, the cross terms
+included, each use times the number its view scales the leaf by), from the records and output
+gradients of its sites. Any other leaf is
 *materialised*: the tapped pass gives each example its own copy of that leaf (the leaf plus a
 per-example zero, `Deltas`), so that the backward pass yields each example's gradient of the
 leaf, every use summed, and nothing of its sites is recorded; its squared norm is summed in
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from typing import Any
 
 import jax
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip import _checks, _norm_rules, _per_example
-from optclip.ghost import _factors, _interpret, _trace
+from optclip.ghost import _factors, _interpret, _pairs, _trace
 
 
 @dataclasses.dataclass
@@ -38,8 +38,8 @@ class LeafPlan:
     swapped: list
     reason: str
     groups: list = dataclasses.field(default_factory=list)  # uses whose cross terms count
-    scale: Any = 1.0  # every use's view's (`_views.View.scale`, a float or traced): the norm is
-    # |scale| times its view's
+    scales: Any = None  # each use's view's number (`_views.View.scale`, a float or traced);
+    # None where every use's is 1
 
 
 def plan_leaves(sites, count: int):
@@ -64,10 +64,6 @@ def _leaf_plan(uses) -> LeafPlan:
         return LeafPlan("materialised", uses, [], why)
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
-    scales = {view.scale_key for _, _, view in uses}
-    if len(scales) > 1:
-        why = "used scaled by different numbers (no closed cross term written)"
-        return LeafPlan("materialised", uses, [], why)
     groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
     for i, (site, _, _) in enumerate(uses):
         groups.setdefault(site.layout[3], []).append(i)
@@ -90,12 +86,18 @@ def _leaf_plan(uses) -> LeafPlan:
     why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
     if any(len(m) > 1 for m in groups.values()):
         why += " with cross terms"
-    key = scales.pop()
-    if isinstance(key, tuple):
+    keys = list(dict.fromkeys(view.scale_key for _, _, view in uses))
+    traced = any(isinstance(key, tuple) for key in keys)
+    if len(keys) > 1:
+        numbers = ", ".join(f"{k:g}" for k in keys) if not traced else ""
+        why += ", each use scaled by its own number"
+        why += ", some traced outside the loss" if traced else f" ({numbers})"
+    elif traced:
         why += ", scaled by a number traced outside the loss"
-    elif key != 1.0:
-        why += f", scaled by {key:g}"
-    return LeafPlan("ghost", uses, swapped, why, list(groups.values()), uses[0][2].scale)
+    elif keys[0] != 1.0:
+        why += f", scaled by {keys[0]:g}"
+    scales = None if keys == [1.0] else [view.scale for _, _, view in uses]
+    return LeafPlan("ghost", uses, swapped, why, list(groups.values()), scales)
 
 
 def ghost_sites(leaf_plans) -> dict:
@@ -138,34 +140,16 @@ def ghost_uses(leaf_plan, records, grads, acc):
 def ghost_terms(leaf_plan, uses, acc, scaled: bool):
     """``(exponent, value)`` of a ghost leaf's squared per-example norms from its `uses`."""
     # Uses of different single indices of a dimension are orthogonal: no cross term.
+    scales = leaf_plan.scales
     terms = [
-        _factors.over_layers(_factors.leaf_terms([uses[i] for i in group], acc, scaled))
+        _factors.over_layers(
+            _pairs.leaf_terms(
+                [uses[i] for i in group], acc, scaled, scales and [scales[i] for i in group]
+            )
+        )
         for group in leaf_plan.groups
     ]
-    exponent, value = _factors.add_terms(terms)
-    if not isinstance(leaf_plan.scale, float):
-        return _traced_scale(exponent, value, leaf_plan.scale)
-    if leaf_plan.scale == 1.0:
-        return exponent, value
-    # The views' scale, ``m * 2**k``: the squared norm times ``m**2 * 4**k``, its power of two
-    # in the exponent (a scale whose square overflows or flushes stays exact).
-    m, k = math.frexp(abs(leaf_plan.scale))
-    return exponent + k, value * jnp.asarray(m * m, value.dtype)
-
-
-def _traced_scale(exponent, value, scale):
-    """`ghost_terms`' scaling by a number known when the step runs (traced outside the loss),
-    on the device: ``|scale| = m * 2**k`` as for a float, `m` taken from the number itself
-    (times exact powers of two) so that a gradient with respect to it passes; NaN where it is
-    not finite (the materialising way's per-example gradients are NaN there: infinity times
-    the zero of an entry)."""
-    work = jnp.promote_types(scale.dtype, jnp.float32)
-    s = jnp.abs(scale.astype(work))
-    _, k = jnp.frexp(lax.stop_gradient(s))
-    low, high = _factors.powers_of_two(-k, work)
-    m = (s * low * high).astype(value.dtype)
-    square = jnp.where(jnp.isfinite(m), m * m, jnp.asarray(jnp.nan, value.dtype))
-    return exponent + k.astype(exponent.dtype), value * square
+    return _factors.add_terms(terms)
 
 
 def equation(site):
@@ -207,7 +191,7 @@ def pull_back(site, leaves, cotangents):
 
 def _times_traced(g, scale):
     """A leaf's sum `g` times its views' scale traced outside the loss, a zero entry kept zero:
-    a scale not finite gives every example a NaN norm (`_traced_scale`), so that the batch is
+    a scale not finite gives every example a NaN norm (`_pairs.parts`), so that the batch is
     dropped (its sums 0, as the materialising way's) or its weights are NaN (so are these)."""
     return jnp.where(g == 0, jnp.zeros_like(g), g * scale.astype(g.dtype))
 
