@@ -65,9 +65,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """Starts the 8-device worker now if a selected test needs it."""
-    if any("multidevice" in getattr(item, "fixturenames", ()) for item in session.items):
+    """Starts the 8-device workers now that selected tests need (each runs on the second core
+    while the tests before it run on the first)."""
+    needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    if "multidevice" in needed:
         launch.start_multidevice()
+    if "ghost_multidevice" in needed:
+        launch.start_ghost_multidevice()
 
 
 def pytest_sessionfinish(session, exitstatus):

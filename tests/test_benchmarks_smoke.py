@@ -32,7 +32,7 @@ def test_quick_suite_runs_and_prints_table(tmp_path):
         env=env,
         capture_output=True,
         text=True,
-        timeout=240,  # (95-125 s on the shared 2 cores under load; a hang still fails)
+        timeout=480,  # (95-125 s on the shared 2 cores under load; a hang still fails)
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "benchmark" in proc.stdout and "ratio" in proc.stdout, proc.stdout
@@ -79,7 +79,7 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=480,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
@@ -101,7 +101,7 @@ def run_private(tmp_path, *args, script="private.py"):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())

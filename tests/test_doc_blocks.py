@@ -129,8 +129,9 @@ def test_relative_links_point_to_files(page):
 
 
 def test_ci_runs_exactly_the_readme_commands():
-    """`.ci/run` runs the README's commands, as written there, then `.ci/wheel` (the fast tier
-    against the installed wheel) and `.ci/lowest` (the fast tier at the lowest versions), and
+    """`.ci/run` runs the README's commands, as written there, then `.ci/installed`: side by
+    side, `.ci/wheel` (the fast tier against the installed wheel) and `.ci/lowest` (the fast tier
+    at the lowest versions), and
     nothing else: before them it only sets up the persistent compilation cache its stages share
     (a fresh folder, removed at the end), which changes no result."""
     readme = README.read_text()
@@ -149,8 +150,7 @@ def test_ci_runs_exactly_the_readme_commands():
         'python -m pip install -e ".[test]" && python -m pytest -q',
         'python -m pip install -e ".[test,docs]" && python -m pytest -q -m slow',
         "python -m mypy src",
-        "bash .ci/wheel",
-        "bash .ci/lowest",
+        "bash .ci/installed",
     ]
     commands = [
         line
@@ -159,10 +159,12 @@ def test_ci_runs_exactly_the_readme_commands():
         if line.strip()
     ]
     demo = 'python -m pip install -e ".[examples]" && python examples/rnn_exploding_gradients.py'
-    for line in [demo, *ci[:-2]]:
+    for line in [demo, *ci[:-1]]:
         assert line in commands, f"README does not give the command {line!r}"
     assert ".ci/wheel" in readme, "README does not say that CI tests the installed wheel"
     assert ".ci/lowest" in readme, "README does not say that CI tests the lowest versions"
+    installed = (ROOT / ".ci" / "installed").read_text()
+    assert "bash .ci/wheel >" in installed and "bash .ci/lowest >" in installed
 
 
 def test_the_lowest_versions_ci_tests_are_the_lower_bounds_pyproject_declares():

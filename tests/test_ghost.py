@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _workers import launch
 from ghost_models import RTOL, assert_tree_close
 from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
@@ -1572,23 +1573,25 @@ def _check_random_model(loss, params, ids, clip, magnitude, traced=False):
     )
 
 
-@pytest.mark.slow
-def test_a_batch_sharded_over_eight_devices():
-    """`ghost_multidevice.py` in its own process (JAX fixes its device count at start)."""
-    import os
-    import pathlib
+@pytest.fixture
+def ghost_multidevice():
+    """`ghost_multidevice.py`'s run in its own process (JAX fixes its device count at start),
+    started by conftest.py as soon as the tests were collected: (return code, stdout, stderr)."""
     import subprocess
-    import sys
 
-    here = pathlib.Path(__file__).parent
-    env = dict(os.environ, PYTHONPATH=str(pathlib.Path(optclip.__file__).parent.parent))
-    done = subprocess.run(
-        [sys.executable, str(here / "ghost_multidevice.py")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = launch.start_ghost_multidevice()
+    try:
+        stdout, stderr = proc.communicate(timeout=launch.GHOST_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        launch.stop_all()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+@pytest.mark.slow
+def test_a_batch_sharded_over_eight_devices(ghost_multidevice):
+    """The ghost engine on 8 CPU devices, under both meshes, against one device."""
+    done = ghost_multidevice
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok"), done.stdout
     assert "mlp/Explicit/spmd_axis_name" in done.stdout

@@ -1,6 +1,7 @@
 """Starting the multi-device worker subprocesses, shared by `conftest.py` (which starts the
-8-device worker as soon as the tests are collected, so that it runs on the second core while
-the in-process tests run on the first) and `test_multidevice.py` (which reads its results)."""
+8-device workers as soon as the tests are collected, so that they run on the second core while
+the in-process tests run on the first) and the tests that read their results
+(`test_multidevice.py`; `test_ghost.py` for `ghost_multidevice.py`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 WORKERS = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 300  # per subprocess; the 8-device worker takes about 100 s of one core
+GHOST_TIMEOUT_S = 900  # ghost_multidevice.py takes about 8 minutes of one core
 
 
 def env_for(devices: int) -> dict:
@@ -50,6 +52,24 @@ def start_multidevice() -> subprocess.Popen:
             text=True,
         )
     return _started["multidevice"]
+
+
+def start_ghost_multidevice() -> subprocess.Popen:
+    """`ghost_multidevice.py` (the ghost engine on 8 CPU devices, slow tier), started once per
+    test session. It sets its own device count; ``PYTHONPATH`` makes it import the optclip under
+    test (a checkout's or an installed wheel's)."""
+    if "ghost_multidevice" not in _started:
+        import optclip
+
+        package_root = pathlib.Path(optclip.__file__).resolve().parent.parent
+        _started["ghost_multidevice"] = subprocess.Popen(
+            [sys.executable, str(WORKERS.parent / "ghost_multidevice.py")],
+            env=dict(os.environ, PYTHONPATH=str(package_root)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return _started["ghost_multidevice"]
 
 
 def stop_all() -> None:
