@@ -1576,16 +1576,8 @@ def _check_random_model(loss, params, ids, clip, magnitude, traced=False):
 @pytest.fixture
 def ghost_multidevice():
     """`ghost_multidevice.py`'s run in its own process (JAX fixes its device count at start),
-    started by conftest.py as soon as the tests were collected: (return code, stdout, stderr)."""
-    import subprocess
-
-    proc = launch.start_ghost_multidevice()
-    try:
-        stdout, stderr = proc.communicate(timeout=launch.GHOST_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        launch.stop_all()
-        raise
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    started by conftest.py as soon as the tests were collected."""
+    return launch.finish(launch.start_ghost_multidevice(), launch.GHOST_TIMEOUT_S)
 
 
 @pytest.mark.slow

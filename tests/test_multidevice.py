@@ -82,14 +82,9 @@ def _failures(results: dict, prefix: str = "") -> dict:
 def multidevice():
     """Results of every check in one 8-device process (started by conftest.py as soon as the
     tests were collected, so it has mostly run by now)."""
-    proc = launch.start_multidevice()
-    try:
-        stdout, stderr = proc.communicate(timeout=launch.TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        launch.stop_all()
-        raise
-    results = launch.result(stdout)
-    assert proc.returncode == 0 and results is not None, stderr[-5000:]
+    done = launch.finish(launch.start_multidevice(), launch.TIMEOUT_S)
+    results = launch.result(done.stdout)
+    assert done.returncode == 0 and results is not None, done.stderr[-5000:]
     return results
 
 

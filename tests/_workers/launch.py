@@ -72,6 +72,17 @@ def start_ghost_multidevice() -> subprocess.Popen:
     return _started["ghost_multidevice"]
 
 
+def finish(proc: subprocess.Popen, timeout: float) -> subprocess.CompletedProcess:
+    """Waits for a worker (bounded: past `timeout` every worker is killed and the wait raises)
+    and returns what it printed."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stop_all()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
 def stop_all() -> None:
     """Kills and reaps any worker still running (the session is over)."""
     for proc in _started.values():
