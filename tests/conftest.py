@@ -1,12 +1,14 @@
 """Shared fixtures, and the two test tiers.
 
-``python -m pytest -q`` runs the fast tier: every test, with one case of each parametrized test
-(its first case that runs under `jit`), and the 8-device checks, whose worker process is
-started as soon as the tests are collected so that it runs on the second core meanwhile.
-``python -m pytest -q -m slow`` runs everything else: the other cases (eager runs, every dtype
-and size), the multi-process checks, the example scripts, the benchmark smoke run and the
-documentation build. CI runs both.
+``python -m pytest -q -n 2`` runs the fast tier: every test, with one case of each parametrized
+test (its first case that runs under `jit`), and the 8-device checks. ``python -m pytest -q -n 2
+-m slow`` runs everything else: the other cases (eager runs, every dtype and size), the
+multi-process checks, the example scripts, the benchmark smoke run and the documentation build.
+CI runs both. ``-n 2`` (pytest-xdist) runs the tests in two processes, since one keeps about one
+core busy; without it they run in this one.
 """
+
+import os
 
 import jax
 import pytest
@@ -62,11 +64,28 @@ def pytest_collection_modifyitems(config, items):
         for item in group:
             if item is not keep:
                 item.add_marker(pytest.mark.slow)
+    _shared_fixture_groups(items)
+
+
+def _shared_fixture_groups(items):
+    """Under pytest-xdist (``--dist loadgroup``, pyproject.toml's addopts) the tests of a module
+    that use one of its module-scoped fixtures (a documentation build, the examples' runs, the
+    8-device workers' results) go to one process, so that each fixture is set up once. (pytest's
+    own and plugins' fixtures have no `baseid`: `tmp_path_factory` groups nothing.)"""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].baseid and d[-1].scope in ("module", "session") for d in defs):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
 
 
 def pytest_collection_finish(session):
     """Starts the 8-device workers now that selected tests need (each runs on the second core
-    while the tests before it run on the first)."""
+    while the tests before it run on the first). Under pytest-xdist every process collects every
+    test, so there the fixture that reads a worker's result starts it instead, in the one
+    process its tests go to."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if "multidevice" in needed:
         launch.start_multidevice()

@@ -147,8 +147,8 @@ def test_ci_runs_exactly_the_readme_commands():
     ]
     ci = ci[3:]
     assert ci == [
-        'python -m pip install -e ".[test]" && python -m pytest -q',
-        'python -m pip install -e ".[test,docs]" && python -m pytest -q -m slow',
+        'python -m pip install -e ".[test]" && python -m pytest -q -n 2',
+        'python -m pip install -e ".[test,docs]" && python -m pytest -q -n 2 -m slow',
         "python -m mypy src",
         "bash .ci/installed",
     ]
