@@ -78,9 +78,13 @@ def test_each_layer_kind_matches_the_float64_reference(name):
     check_against_reference(loss, params, x, 1.0)
 
 
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("method", ["auto", "vmap"])
-@pytest.mark.parametrize("clip", [0.3, 1e6, 0.0])
+# The ghost engine at every threshold; the materialising way (`per_example_clip`'s own tests
+# cover its thresholds) and the eager step (the jitted step's operations run one at a time) at
+# one (CI's time: BUILD_NOTES, "the slow tier's cases").
+@pytest.mark.parametrize(
+    ("clip", "method", "mode"),
+    [(c, "auto", "jit") for c in (0.3, 1e6, 0.0)] + [(0.3, "vmap", "jit"), (0.3, "auto", "eager")],
+)
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_model_method_and_threshold(name, clip, method, mode):
     loss, params, x = MODELS[name](np.random.default_rng(1))
@@ -921,8 +925,12 @@ def test_every_arrangement_of_a_dense_layer(name):
 
 
 # (the fast tier's case first: a weight on the left, which the CPU could not run)
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("cast", [True, False], ids=["float32 cast to bfloat16", "bfloat16"])
+# (eagerly with the cast alone: CI's time, BUILD_NOTES "the slow tier's cases")
+@pytest.mark.parametrize(
+    ("cast", "mode"),
+    [(True, "jit"), (False, "jit"), (True, "eager")],
+    ids=["float32 cast to bfloat16-jit", "bfloat16-jit", "float32 cast to bfloat16-eager"],
+)
 @pytest.mark.parametrize("name", sorted(DENSE, key=lambda name: name != "heads, w first"))
 def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     """Each arrangement of `DENSE` computed in bfloat16: the weight in bfloat16, or in float32
@@ -1729,8 +1737,17 @@ def _scaled_models(rng):
     }
 
 
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("name", list(_scaled_models(np.random.default_rng(0))))
+# Every model jitted; eagerly, one of each kind of number (written, huge, none, two uses,
+# computed, held, the data's): CI's time, BUILD_NOTES "the slow tier's cases".
+SCALED_EAGER = ["times", "huge", "behind a barrier", "tied, the output scaled"]
+SCALED_EAGER += ["a computed root", "a held constant", "by the data"]
+
+
+@pytest.mark.parametrize(
+    ("name", "mode"),
+    [(n, "jit") for n in _scaled_models(np.random.default_rng(0))]
+    + [(n, "eager") for n in SCALED_EAGER],
+)
 def test_a_weight_scaled_named_or_behind_a_barrier_stays_ghost(name, mode):
     """A weight multiplied or divided by a number written in the loss, or negated (muP's and
     an equalised learning rate's multipliers), is a view: its norm is the number's absolute
@@ -1773,9 +1790,16 @@ GRADIENT_MODELS += ["sliced", "transformer", "conv"]
 GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]
 
 
+# Each model clipped and with a zero example (the NaN this test exists for); every variant on
+# a dense, a scanned and a transformer model (CI's time: BUILD_NOTES, "the slow tier's cases").
 @pytest.mark.parametrize(
     ("name", "variant", "mode"),
-    [(n, v, "jit") for n in GRADIENT_MODELS for v in GRADIENT_VARIANTS]
+    [
+        (n, v, "jit")
+        for n in GRADIENT_MODELS
+        for v in GRADIENT_VARIANTS
+        if n in ("mlp", "scanned", "transformer") or v in ("clipped", "a zero example")
+    ]
     + [(n, "a zero example", "eager") for n in ("mlp", "sequence", "conv")],
 )
 def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, mode):
