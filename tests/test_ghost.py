@@ -1791,16 +1791,17 @@ GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]
 
 
 # Each model clipped and with a zero example (the NaN this test exists for); every variant on
-# a dense, a scanned and a transformer model (CI's time: BUILD_NOTES, "the slow tier's cases").
+# a dense and a scanned model; eagerly on the dense one (CI's time: BUILD_NOTES, "the slow
+# tier's cases").
 @pytest.mark.parametrize(
     ("name", "variant", "mode"),
     [
         (n, v, "jit")
         for n in GRADIENT_MODELS
         for v in GRADIENT_VARIANTS
-        if n in ("mlp", "scanned", "transformer") or v in ("clipped", "a zero example")
+        if n in ("mlp", "scanned") or v in ("clipped", "a zero example")
     ]
-    + [(n, "a zero example", "eager") for n in ("mlp", "sequence", "conv")],
+    + [("mlp", "a zero example", "eager")],
 )
 def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, mode):
     """`jax.grad` of a function of the clipped sum and the norms (a meta-objective, a penalty
