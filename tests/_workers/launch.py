@@ -1,6 +1,7 @@
 """Starting the multi-device worker subprocesses, shared by `conftest.py` (which starts the
 8-device workers as soon as the tests are collected, so that they run on the second core while
-the in-process tests run on the first) and the tests that read their results
+the in-process tests run on the first; under pytest-xdist the fixture that reads a worker's
+result starts it) and the tests that read their results
 (`test_multidevice.py`; `test_ghost.py` for `ghost_multidevice.py`)."""
 
 from __future__ import annotations
