@@ -206,3 +206,18 @@ def test_the_lowest_versions_ci_tests_are_the_lower_bounds_pyproject_declares():
 @pytest.mark.every_case
 def test_a_gpus_output_may_differ_in_its_last_digits_only(printed, expected, same):
     assert same_but_digits(printed, expected) is same
+
+
+def test_tests_sharing_a_module_fixture_go_to_one_process(request, several_devices):
+    """Under pytest-xdist (`--dist=loadgroup`) a test that uses one of its module's
+    module-scoped fixtures carries the module's group (conftest.py), so the fixture is set up
+    in one process only; a test using none carries no group (see the next test)."""
+    groups = [m.args for m in request.node.iter_markers("xdist_group")]
+    assert groups == [("test_doc_blocks",)], groups
+    options = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    assert "--dist=loadgroup" in options["ini_options"]["addopts"].split()
+
+
+def test_a_test_sharing_no_module_fixture_has_no_group(request, tmp_path):
+    """(`tmp_path` comes from a session-scoped fixture of pytest's own: no group.)"""
+    assert not list(request.node.iter_markers("xdist_group"))
