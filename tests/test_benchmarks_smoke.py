@@ -201,6 +201,23 @@ def test_the_frozen_embedding_benchmark_sizes_every_method(tmp_path, model):
 
 
 @pytest.mark.slow
+def test_the_eager_benchmark_times_each_method_in_a_process_of_its_own(tmp_path):
+    """benchmarks/private_eager.py --quick: each method's first eager call and a warm one, on
+    both models, each a ratio to the non-private call's."""
+    rows = run_private(tmp_path, "--quick", "--warm", "1", script="private_eager.py")
+    methods = ["optclip.clipped_grad", "jax_privacy.clipped_grad", "jax.grad (non-private)"]
+    assert [(r["model"], r["method"]) for r in rows] == [
+        (model, m) for model in ("mlp", "transformer") for m in methods
+    ]
+    for r in rows:
+        assert r["first_s"] > 0 and r["warm_s"] > 0, r
+        if r["method"] == "jax.grad (non-private)":
+            assert r["first_ratio"] == r["warm_ratio"] == 1.0
+    why = "--warm and --batch must be at least 1"
+    refused("--warm", "0", why=why, script="private_eager.py")
+
+
+@pytest.mark.slow
 def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
     out, and with its norms batched and unchecked (the script checks each variant's norms),
@@ -370,10 +387,10 @@ def test_the_gpu_check_refuses_an_unknown_step_before_it_runs_any(tmp_path):
     assert proc.stdout == "" and not (tmp_path / "out").exists()
 
 
-def refused(*args, why: str):
-    """`private_parts.py` with `args` is an argparse error (exit 2) that says `why`."""
+def refused(*args, why: str, script="private_parts.py"):
+    """`benchmarks/<script>` with `args` is an argparse error (exit 2) that says `why`."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "private_parts.py"), *args],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=60,

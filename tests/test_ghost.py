@@ -79,8 +79,8 @@ def test_each_layer_kind_matches_the_float64_reference(name):
 
 
 # The ghost engine at every threshold; the materialising way (`per_example_clip`'s own tests
-# cover its thresholds) at one; each way eagerly (the jitted step's operations run one at a
-# time) at one (CI's time: BUILD_NOTES, "the slow tier's cases").
+# cover its thresholds) at one; each way eagerly (its own compiled program, `_eager`) at one
+# (CI's time: BUILD_NOTES, "the slow tier's cases").
 @pytest.mark.parametrize(
     ("clip", "method", "mode"),
     [(c, "auto", "jit") for c in (0.3, 1e6, 0.0)]
@@ -671,14 +671,15 @@ def test_float16_sides_weighted_below_their_precision_share_the_factor(monkeypat
 
     def spy(*args):
         flags = unsafe(*args)
-        if not isinstance(flags, jax.core.Tracer):  # (eager)
+        if not isinstance(flags, jax.core.Tracer):  # (under `jax.disable_jit`)
             flagged.append(int(np.sum(flags)))
         return flags
 
     monkeypatch.setattr(_sums, "unsafe", spy)
     for clip, count in ((1e-3, x.shape[0]), (1.0, 0)):
         g = optclip.clipped_grad(loss, l2_clip_norm=clip)
-        grads = g(params, x)  # (eager: the flags are concrete)
+        with jax.disable_jit():  # (the flags are concrete, and `lax.cond` picks in Python)
+            grads = g(params, x)
         assert flagged.pop() == count
         _, sums = gm.reference(loss, params, x, clip)
         assert_tree_close(grads, sums, rtol=2e-3)
@@ -1959,8 +1960,8 @@ def test_a_scale_traced_outside_the_loss_stays_ghost(name):
 def test_a_scale_passed_to_the_loss_unbatched_stays_ghost(mode):
     """A multiplier passed to the loss as an argument that is neither batched nor
     differentiated (``clipped_grad(loss)(params, x, s)``, ``batch_argnums=1``) is the same for
-    every example: a scale (traced under `jit`, a number eager), the sums and norms the float64
-    reference's. It was materialised."""
+    every example: a scale (an array traced, jitted or eagerly; a Python number compiled in),
+    the sums and norms the float64 reference's. It was materialised."""
     make, params, x, _, _, _ = _traced_models(np.random.default_rng(52))["times"]
     loss = lambda p, x, s: make(s)(p, x)  # noqa: E731
     for s, why in ((jnp.float32(-0.75), "scaled by -0.75"), (0.5, "scaled by 0.5")):

@@ -49,6 +49,7 @@ LAYERS = [
     ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised
     ["ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)
     ["ghost._passes"],  # the ghost and the vmap passes: norms, weights, clipped sum
+    ["ghost._eager"],  # an eager call run as one compiled program
     ["ghost._api", "ghost._report"],  # `clipped_grad`; `ghost_report`
     ["__init__"],  # the public names
 ]

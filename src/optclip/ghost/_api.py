@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip import _checks
-from optclip.ghost import _args, _passes
+from optclip.ghost import _args, _eager, _passes
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -147,6 +147,14 @@ def clipped_grad(
     products (JAX's default: TF32 on a GPU, bfloat16 on a TPU, float32 on a CPU); for float32
     norms everywhere, call it under ``jax.default_matmul_precision("highest")``.
 
+    Called outside ``jax.jit`` (or any transformation of its arguments), a call runs as one
+    compiled program: compiled the first time for its shapes, and kept for the next calls
+    (the eight latest programs). The arrays the loss closes over are read at every call, as
+    eagerly; a Python number among the arguments, or a scalar the loss closes over, is
+    compiled in, so that each new value compiles again (pass a number that changes at every
+    call as an array). With a `pre_clipping_transform`, or under ``jax.disable_jit()``, the
+    operations run one at a time.
+
     Args:
       fun: the loss, ``fun(*args) -> loss`` (or ``(loss, aux)`` with `has_aux`): a real scalar
         for the examples it is given (one, with a leading axis of size 1 if
@@ -227,22 +235,8 @@ def clipped_grad(
     engine = _passes.ghost_pass if ghost else _passes.vmap_pass
     with_aux = has_aux or return_values or return_grad_norms
 
-    def clipped_fn(*args, is_padding_example=None, **kwargs):
-        _args.check_leaves(args, argnum_tuple, batch, "`clipped_grad`")
-        size = _args.batch_size(args, kwargs, batch)
-        padding = _args.padding_mask(is_padding_example, size)
-        args = _args.split_keys(args, prng_argnum, size)
-        s = _passes.Settings(
-            argnums,
-            argnum_tuple,
-            _args.in_axes(len(args), batch, prng_argnum),
-            l2_clip_norm,
-            rescale_to_unit_norm,
-            nan_safe,
-            dtype,
-            pre_clipping_transform,
-            spmd_axis_name,
-        )
+    def finish(one, args, kwargs, padding, s):
+        size = padding.shape[0]
         # (a batch of no examples: nothing to compute, its shapes are vmap's to give)
         chosen = engine if size else _passes.vmap_pass
         grads, norms, values, aux = _microbatched(
@@ -259,6 +253,31 @@ def clipped_grad(
             grad_norms=norms if return_grad_norms else None,
             aux=aux if has_aux else None,
         )
+
+    programs = _eager.Programs(finish)
+
+    def clipped_fn(*args, is_padding_example=None, **kwargs):
+        _args.check_leaves(args, argnum_tuple, batch, "`clipped_grad`")
+        size = _args.batch_size(args, kwargs, batch)
+        padding = _args.padding_mask(is_padding_example, size)
+        args = _args.split_keys(args, prng_argnum, size)
+        s = _passes.Settings(
+            argnums,
+            argnum_tuple,
+            _args.in_axes(len(args), batch, prng_argnum),
+            l2_clip_norm,
+            rescale_to_unit_norm,
+            nan_safe,
+            dtype,
+            pre_clipping_transform,
+            spmd_axis_name,
+        )
+        # Eager: one compiled program (`_eager`), not the engine's operations one at a time.
+        # (A `pre_clipping_transform`, whose arrays it may close over would be compiled in,
+        # runs as it is.)
+        if pre_clipping_transform is None and _eager.is_eager((args, kwargs, padding)):
+            return programs(one, args, kwargs, padding, s)
+        return finish(one, args, kwargs, padding, s)
 
     bound = (1.0 if rescale_to_unit_norm else l2_clip_norm) / normalize_by
     return ClippedGradFn(clipped_fn, bound, with_aux)

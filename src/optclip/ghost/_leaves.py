@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _norm_rules, _per_example
+from optclip import _norm_rules, _per_example
 from optclip.ghost import _factors, _interpret, _pairs, _trace
 
 
@@ -279,12 +279,12 @@ def leaf_norm_terms(t):
     Otherwise computed on the factors as they are where every use of every example is safe
     (the common case: no pass that divides the records and output gradients by their
     magnitudes; on a CPU one example at a time where the Grams are large, `_unscaled`), else
-    (one `lax.cond` for the batch; decided in Python when eager) one example after another,
-    each factor divided by its magnitude: exact at every magnitude, the same values where both
-    are (to the order XLA sums in), and no more memory than the first way (`_scaled`)."""
+    (one `lax.cond` for the batch) one example after another, each factor divided by its
+    magnitude: exact at every magnitude, the same values where both are (to the order XLA sums
+    in), and no more memory than the first way (`_scaled`)."""
     terms, safe, sides = _unscaled(t)
-    if not _checks.is_traced(safe):
-        return (terms if bool(safe) else _scaled(t)), sides
+    if safe is True:  # (nothing checked: every norm a reduction, `_terms`)
+        return terms, sides
     return lax.cond(safe, lambda: terms, lambda: _scaled(t)), sides
 
 

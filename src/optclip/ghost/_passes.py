@@ -88,6 +88,7 @@ class Flat:
     params: list
     batched: list
     rebuild: Any
+    static: list  # per leaf of ``(args, kwargs)``, whether it is left as it is
 
 
 def flatten(args, kwargs, s: Settings) -> Flat:
@@ -110,15 +111,20 @@ def flatten(args, kwargs, s: Settings) -> Flat:
 
     keep = [i for i, st in enumerate(static) if not st]
     leaves = [flat[i] if isinstance(flat[i], jax.Array) else jnp.asarray(flat[i]) for i in keep]
-    return Flat(leaves, [params[i] for i in keep], [batched[i] for i in keep], rebuild)
+    return Flat(leaves, [params[i] for i in keep], [batched[i] for i in keep], rebuild, static)
+
+
+def one_example(flat: Flat) -> list:
+    """The shapes and dtypes of one example's `flat.leaves`."""
+    return [
+        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
+        for x, b in zip(flat.leaves, flat.batched, strict=True)
+    ]
 
 
 def trace(one, flat: Flat):
     """The closed jaxpr of one example's loss, its output shapes and its `_trace.Plan`."""
-    single = [
-        jax.ShapeDtypeStruct(x.shape[1:] if b else x.shape, x.dtype)
-        for x, b in zip(flat.leaves, flat.batched, strict=True)
-    ]
+    single = one_example(flat)
 
     def flat_one(*leaves):
         return one(*flat.rebuild(leaves))

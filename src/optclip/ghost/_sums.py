@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from optclip import _checks, _per_example
+from optclip import _per_example
 from optclip.ghost import _factors, _interpret, _leaves
 
 
@@ -321,8 +321,6 @@ def clipped_sums(t, w, keep, finite, sides, spmd_axis_name=None):
     # ``sums without cond``). The plain sums need every dropped example finite (no dropped
     # example has a non-finite record) and every weighted side in its normal range (`unsafe`).
     clean = jnp.all(keep | finite) & ~jnp.any(unsafe(t, sides, w, keep & finite))
-    if not _checks.is_traced(clean):
-        return rounded(t, plain() if bool(clean) else zeroed())
     branched = lambda: rounded(t, lax.cond(clean, plain, zeroed))  # noqa: E731
     if _leaves.reductions_only(t):
         # Every site reads one row per example (an MLP): off a CPU, the dropped examples are

@@ -1,0 +1,159 @@
+"""An eager call of `clipped_grad` runs as one compiled program (`ghost/_eager.py`): compiled
+once for its shapes, and what the loss closes over read at every call, as eagerly."""
+
+import logging
+
+import ghost_models as gm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ghost_models import RTOL, assert_tree_close
+
+import optclip
+from optclip.ghost import _eager
+
+
+@pytest.fixture
+def compiles(caplog):
+    """The names of the programs JAX compiles inside ``with compiles() as names:``."""
+
+    class Recorder:
+        def __enter__(self):
+            caplog.clear()
+            self.log = jax.log_compiles(True)
+            self.log.__enter__()
+            self.names = []
+            return self.names
+
+        def __exit__(self, *exc):
+            self.log.__exit__(*exc)
+            for record in caplog.records:
+                message = record.getMessage()
+                if message.startswith("Compiling "):
+                    self.names.append(message.split(" ")[1])
+
+    caplog.set_level(logging.DEBUG, logger="jax")
+    return Recorder
+
+
+def check(out, loss, params, x, clip):
+    grads, aux = out
+    norms, sums = gm.reference(loss, params, x, clip)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    assert_tree_close(grads, sums)
+
+
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+def test_an_eager_call_compiles_one_program_once_for_its_shapes(method, compiles):
+    # Before, the MLP's first eager call compiled each of the engine's operations on its own:
+    # 189 compilations (BUILD_NOTES, "the eager step got slower").
+    loss, params, x = gm.mlp(np.random.default_rng(80))
+    g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True, method=method)
+    with compiles() as first:
+        out = g(params, x)
+    check(out, loss, params, x, 0.5)
+    assert first.count("jit(program)") == 1, first
+    assert len(first) <= 8, first  # (the program; the inputs' conversions, the padding's zeros)
+    with compiles() as again:
+        out = g(params, x)
+    check(out, loss, params, x, 0.5)
+    assert again == []
+    smaller = x[:3]
+    with compiles() as other:
+        out = g(params, smaller)
+    check(out, loss, params, smaller, 0.5)
+    assert other.count("jit(program)") == 1, other
+
+
+def test_an_eager_call_reads_what_its_loss_closes_over_at_each_call(compiles):
+    """A global array (passed to the program), a global scalar (read by the ghost analysis: a
+    new program for a new value) and a Python flag (a new jaxpr): each call's values, against
+    the float64 reference with those values. A cached `jax.jit` of the call would keep the
+    first ones."""
+    rng = np.random.default_rng(81)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    held = {"table": jnp.ones((3,)), "gain": jnp.float32(1.0), "square": True}
+
+    def loss(p, x):
+        y = (x @ (p["w"] * held["gain"])) * held["table"]
+        return jnp.sum(y**2) if held["square"] else jnp.sum(jnp.sin(y))
+
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    check(g(params, x), loss, params, x, 1.0)
+    held["table"] = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
+    with compiles() as names:
+        out = g(params, x)
+    check(out, loss, params, x, 1.0)
+    assert "jit(program)" not in names  # (the same program, given the new table)
+    held["gain"] = jnp.float32(-3.0)
+    report = optclip.ghost_report(loss, params, x)["['w']"]
+    assert report.mode == "ghost", report
+    with compiles() as names:
+        out = g(params, x)
+    check(out, loss, params, x, 1.0)
+    assert names.count("jit(program)") == 1  # (the ghost norm's scale is the number's)
+    held["square"] = False
+    check(g(params, x), loss, params, x, 1.0)
+
+
+def test_a_program_for_each_of_the_last_calls_is_kept(compiles, monkeypatch):
+    """A Python number among the arguments is written into the loss's jaxpr: each number its
+    own program, the `_eager.LIMIT` latest kept (eight, as the docstring says)."""
+    assert _eager.LIMIT == 8
+    monkeypatch.setattr(_eager, "LIMIT", 2)
+    rng = np.random.default_rng(82)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    loss = lambda p, x, c: jnp.sum((x @ p["w"]) ** 2) * c  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    for c in (1.0, 2.0, 3.0):
+        with compiles() as names:
+            out = g(params, x, c)
+        check(out, lambda p, x, c=c: loss(p, x, c), params, x, 1.0)
+        assert names.count("jit(program)") == 1
+    with compiles() as names:
+        g(params, x, 3.0), g(params, x, 2.0)
+    assert "jit(program)" not in names
+    with compiles() as names:
+        out = g(params, x, 1.0)
+    check(out, lambda p, x: loss(p, x, 1.0), params, x, 1.0)
+    assert names.count("jit(program)") == 1
+
+
+def test_under_disable_jit_and_inside_a_callers_trace_the_engine_runs_as_it_is():
+    """Under `jax.disable_jit` the engine's operations run one by one (its `lax.cond`s choose
+    in Python); a loss that closes over a number traced by the caller (its arguments concrete
+    constants) runs in the caller's trace. Both the float64 reference's."""
+    loss, params, x = gm.mlp(np.random.default_rng(83))
+    g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+    with jax.disable_jit():
+        check(g(params, x), loss, params, x, 0.5)
+
+    def step(s):
+        scaled = lambda p, x: loss(p, x) * s  # noqa: E731
+        return optclip.clipped_grad(scaled, l2_clip_norm=0.5, return_grad_norms=True)(params, x)
+
+    check(jax.jit(step)(jnp.float32(2.0)), lambda p, x: loss(p, x) * 2.0, params, x, 0.5)
+
+
+def test_a_pre_clipping_transform_reads_what_it_closes_over_at_each_call():
+    """`pre_clipping_transform` is not compiled into a kept program: a transform that closes
+    over an array sees its value at each call."""
+    loss, params, x = gm.mlp(np.random.default_rng(84))
+    held = {"factor": jnp.float32(1.0)}
+    transform = lambda grads: jax.tree.map(lambda a: a * held["factor"], grads)  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1e6, pre_clipping_transform=transform)
+    first = g(params, x)
+    held["factor"] = jnp.float32(3.0)
+    for a, b in zip(jax.tree.leaves(g(params, x)), jax.tree.leaves(first), strict=True):
+        np.testing.assert_allclose(a, 3 * b, rtol=1e-6)
+
+
+def test_an_eager_calls_errors_are_the_engines():
+    """The per-example loss is traced before the program: its errors as they were."""
+    params = {"w": jnp.ones((4, 3))}
+    g = optclip.clipped_grad(lambda p, x: x @ p["w"], l2_clip_norm=1.0)
+    with pytest.raises(TypeError, match="must return a real scalar loss for one example"):
+        g(params, jnp.ones((2, 4)))
