@@ -1,7 +1,9 @@
 """An eager call of `clipped_grad` runs as one compiled program (`ghost/_eager.py`): compiled
 once for its shapes, and what the loss closes over read at every call, as eagerly."""
 
+import gc
 import logging
+import weakref
 
 import ghost_models as gm
 import jax
@@ -96,6 +98,23 @@ def test_an_eager_call_reads_what_its_loss_closes_over_at_each_call(compiles):
     assert names.count("jit(program)") == 1  # (the ghost norm's scale is the number's)
     held["square"] = False
     check(g(params, x), loss, params, x, 1.0)
+
+
+def test_a_kept_program_keeps_no_array_of_its_call_alive():
+    """The parameters, the batch and an array the loss closed over are freed once the caller
+    drops them: the kept program holds none of them."""
+    rng = np.random.default_rng(85)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    held = {"table": jnp.asarray(rng.normal(size=(3,)), jnp.float32)}
+    loss = lambda p, x: jnp.sum((x @ p["w"]) * held["table"]) ** 2  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    jax.block_until_ready(g(params, x))
+    refs = [weakref.ref(a) for a in (params["w"], x, held["table"])]
+    del params, x
+    held.clear()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
 
 
 def test_a_program_for_each_of_the_last_calls_is_kept(compiles, monkeypatch):

@@ -19,7 +19,6 @@ eagerly, where a cached `jax.jit` of the whole call would keep the first one.
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import jax
 
@@ -53,44 +52,51 @@ class Programs:
         closed, out_shape = jax.make_jaxpr(flat_one, return_shape=True)(*_passes.one_example(flat))
         if not is_eager(closed.consts):  # (it closes over a value traced by a caller)
             return self.finish(one, args, kwargs, padding, s)
-        numbers = _views.held(closed.jaxpr.constvars, closed.consts)
-        baked = [i for i, var in enumerate(closed.jaxpr.constvars) if var in numbers]
+        constvars = closed.jaxpr.constvars
+        numbers = _views.held(constvars, closed.consts)
+        baked = {i: closed.consts[i] for i, var in enumerate(constvars) if var in numbers}
+        tree = jax.tree.structure((args, kwargs))
         key = (
             str(closed.jaxpr),
             tuple(closed.in_avals),
             tuple(flat.static),
-            jax.tree.structure((args, kwargs)),
-            tuple((i, str(numbers[v].dtype), numbers[v].tobytes()) for i, v in _at(closed, baked)),
+            tree,
+            tuple(
+                (i, str(numbers[constvars[i]].dtype), numbers[constvars[i]].tobytes())
+                for i in baked
+            ),
         )
         try:
             program = self.kept.pop(key, None)
         except TypeError:  # (an argument's tree whose node data cannot be hashed)
             return self.finish(one, args, kwargs, padding, s)
         if program is None:
-            program = self._compile(closed, out_shape, flat, baked, s)
+            statics = [x for x, st in zip(jax.tree.leaves((args, kwargs)), flat.static) if st]
+            program = self._compile(closed.jaxpr, baked, out_shape, tree, flat.static, statics, s)
         self.kept[key] = program
         while len(self.kept) > LIMIT:
             self.kept.popitem(last=False)
         arrays = [c for i, c in enumerate(closed.consts) if i not in baked]
         return program(arrays, flat.leaves, padding)
 
-    def _compile(self, closed, out_shape, flat: _passes.Flat, baked: list, s):
-        jaxpr, held = closed.jaxpr, {i: closed.consts[i] for i in baked}
+    def _compile(self, jaxpr, baked: dict, out_shape, tree, static: list, statics: list, s):
+        """The program for one key. It holds no array of the call that made it (the loss's
+        jaxpr, its scalar constants, the arguments' Python values): a kept program keeps no
+        batch, parameters or table alive."""
         out_tree = jax.tree.structure(out_shape)
+        count = len(jaxpr.constvars)
 
         def program(arrays, leaves, padding):
             rest = iter(arrays)
-            consts = [held[i] if i in held else next(rest) for i in range(len(closed.consts))]
+            consts = [baked[i] if i in baked else next(rest) for i in range(count)]
 
             def one(args, kwargs):  # (the loss as traced, on this call's values)
-                flat_leaves = jax.tree.leaves((args, kwargs))
-                xs = [x for x, st in zip(flat_leaves, flat.static, strict=True) if not st]
+                flat = jax.tree.leaves((args, kwargs))
+                xs = [x for x, st in zip(flat, static, strict=True) if not st]
                 return jax.tree.unflatten(out_tree, jax.core.eval_jaxpr(jaxpr, consts, *xs))
 
-            return self.finish(one, *flat.rebuild(leaves), padding, s)
+            values, held = iter(leaves), iter(statics)
+            full = [next(held) if st else next(values) for st in static]
+            return self.finish(one, *jax.tree.unflatten(tree, full), padding, s)
 
         return jax.jit(program)
-
-
-def _at(closed, indices) -> list[tuple[int, Any]]:
-    return [(i, closed.jaxpr.constvars[i]) for i in indices]
