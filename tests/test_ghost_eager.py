@@ -61,6 +61,9 @@ def test_an_eager_call_compiles_one_program_once_for_its_shapes(method, compiles
         out = g(params, x)
     check(out, loss, params, x, 0.5)
     assert again == []
+    jitted = jax.jit(g)(params, x)  # (eager and jitted: the same bits)
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(jitted), strict=True):
+        np.testing.assert_array_equal(a, b)
     smaller = x[:3]
     with compiles() as other:
         out = g(params, smaller)
@@ -171,8 +174,18 @@ def test_a_pre_clipping_transform_reads_what_it_closes_over_at_each_call():
 
 
 def test_an_eager_calls_errors_are_the_engines():
-    """The per-example loss is traced before the program: its errors as they were."""
+    """The per-example loss is traced before the program, the arguments checked before it,
+    and the microbatches split inside it: each error as it was, naming what is wrong."""
     params = {"w": jnp.ones((4, 3))}
     g = optclip.clipped_grad(lambda p, x: x @ p["w"], l2_clip_norm=1.0)
     with pytest.raises(TypeError, match="must return a real scalar loss for one example"):
         g(params, jnp.ones((2, 4)))
+    loss = lambda p, x: jnp.sum(x @ p["w"])  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    with pytest.raises(ValueError, match=r"`is_padding_example` must be a bool array of shape"):
+        g(params, jnp.ones((2, 4)), is_padding_example=jnp.zeros((3,), bool))
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, microbatch_size=4)
+    with pytest.raises(
+        ValueError, match=r"`microbatch_size` \(4\) must divide the batch size \(6\)"
+    ):
+        g(params, jnp.ones((6, 4)))
