@@ -1,6 +1,7 @@
 """An eager call of `clipped_grad` runs as one compiled program (`ghost/_eager.py`): compiled
 once for its shapes, and what the loss closes over read at every call, as eagerly."""
 
+import functools
 import gc
 import logging
 import weakref
@@ -101,6 +102,43 @@ def test_an_eager_call_reads_what_its_loss_closes_over_at_each_call(compiles):
     assert names.count("jit(program)") == 1  # (the ghost norm's scale is the number's)
     held["square"] = False
     check(g(params, x), loss, params, x, 1.0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def reversed_gradient(h, coefficient):
+    """A gradient reversal layer (the identity, its gradient times ``-coefficient``): the
+    coefficient, a Python number, reaches only the backward rule, not the loss's jaxpr."""
+    return h
+
+
+reversed_gradient.defvjp(lambda h, c: (h, None), lambda c, _, g: (-c * g,))
+
+
+@pytest.mark.parametrize("kind", ["float", "int", "bool"])
+def test_a_python_number_among_the_arguments_is_each_calls(kind, compiles):
+    # A number passed to a gradient reversal layer through the loss's arguments: the loss's
+    # jaxpr is the same for every value, its gradient is not. Each call must take its own
+    # number (the first eager programs were keyed on the jaxpr: the next value got the first
+    # value's gradients); the program compiled for a number is kept for it.
+    rng = np.random.default_rng(82)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    values = {"float": (0.5, 2.0, -0.0, 0.5), "int": (1, 3, 1), "bool": (True, False, True)}
+
+    def loss(p, x, coefficient):
+        return jnp.sum(jnp.sin(reversed_gradient(x @ p["w"], coefficient)))
+
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    seen = set()
+    for value in values[kind]:
+        with compiles() as names:
+            out = g(params, x, value)
+        assert names.count("jit(program)") == (repr(value) not in seen), (value, names)
+        seen.add(repr(value))
+        check(out, lambda p, x, value=value: loss(p, x, value), params, x, 1.0)
+        jitted = jax.jit(g, static_argnums=2)(params, x, value)
+        for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(jitted), strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_a_kept_program_keeps_no_array_of_its_call_alive():

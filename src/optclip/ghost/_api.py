@@ -152,7 +152,10 @@ def clipped_grad(
     (the eight latest programs). The arrays the loss closes over are read at every call, as
     eagerly; a Python number among the arguments, or a scalar the loss closes over, is
     compiled in, so that each new value compiles again (pass a number that changes at every
-    call as an array). With a `pre_clipping_transform`, or under ``jax.disable_jit()``, the
+    call as an array). A custom derivative rule or a callback in the loss is the compiling
+    call's, as under ``jax.jit``: a value it reads from outside the loss (a global, a
+    closed-over variable) that changes between calls must reach it through the loss's
+    arguments. With a `pre_clipping_transform`, or under ``jax.disable_jit()``, the
     operations run one at a time.
 
     Args:

@@ -8,12 +8,15 @@ loss now (as the engine would), and runs the engine on that trace under one `jax
 by the `clipped_grad` function for the next call that traces the same.
 
 What the compiled program depends on is its key: the loss's jaxpr as text (its operations,
-the numbers written in it, the Python values among the arguments, the shapes), the shapes
-and dtypes of what it is traced with, the arguments' tree, and the values of the scalar
-constants the loss holds (the ghost analysis reads them: `_views.held`). Everything else is
-passed to the program at every call: the arguments' arrays and the arrays the loss closes
-over, so that a loss sees the current value of a global array at each call, as it would
-eagerly, where a cached `jax.jit` of the whole call would keep the first one.
+the numbers written in it, the shapes), the shapes and dtypes of what it is traced with, the
+arguments' tree, the Python values among the arguments (a number that reaches only a custom
+derivative rule, as a gradient reversal layer's coefficient does, is not in the jaxpr's
+text), and the values of the scalar constants the loss holds (the ghost analysis reads them:
+`_views.held`). Everything else is passed to the program at every call: the arguments'
+arrays and the arrays the loss closes over, so that a loss sees the current value of a
+global array at each call, as it would eagerly, where a cached `jax.jit` of the whole call
+would keep the first one. The Python code the loss hands to JAX (a custom derivative rule, a
+callback: shown in the jaxpr by name only) is the compiling call's, as under `jax.jit`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ def is_eager(tree) -> bool:
     return not any(_checks.is_traced(x) for x in jax.tree.leaves(tree))
 
 
+def value_key(value):
+    """A Python value among the arguments as the key holds it: its type and, for a number,
+    its `repr` (which tells -0.0 from 0.0, and is equal for NaN; ``1 == 1.0 == True``)."""
+    return type(value), repr(value) if isinstance(value, (float, complex)) else value
+
+
 class Programs:
     """``finish(one, args, kwargs, padding, s)`` (the rest of a `clipped_grad` call, from the
     per-example loss `one`), run eagerly as one compiled program per key."""
@@ -45,21 +54,20 @@ class Programs:
 
     def __call__(self, one, args, kwargs, padding, s: _passes.Settings):
         flat = _passes.flatten(args, kwargs, s)
-
-        def flat_one(*leaves):
-            return one(*flat.rebuild(leaves))
-
-        closed, out_shape = jax.make_jaxpr(flat_one, return_shape=True)(*_passes.one_example(flat))
+        single = _passes.one_example(flat)
+        closed, out_shape = jax.make_jaxpr(_passes.flat_loss(one, flat), return_shape=True)(*single)
         if not is_eager(closed.consts):  # (it closes over a value traced by a caller)
             return self.finish(one, args, kwargs, padding, s)
         constvars = closed.jaxpr.constvars
         numbers = _views.held(constvars, closed.consts)
         baked = {i: closed.consts[i] for i, var in enumerate(constvars) if var in numbers}
         tree = jax.tree.structure((args, kwargs))
+        statics = [x for x, st in zip(jax.tree.leaves((args, kwargs)), flat.static) if st]
         key = (
             str(closed.jaxpr),
             tuple(closed.in_avals),
             tuple(flat.static),
+            tuple(map(value_key, statics)),
             tree,
             tuple(
                 (i, str(numbers[constvars[i]].dtype), numbers[constvars[i]].tobytes())
@@ -68,10 +76,9 @@ class Programs:
         )
         try:
             program = self.kept.pop(key, None)
-        except TypeError:  # (an argument's tree whose node data cannot be hashed)
+        except TypeError:  # (an argument's tree, or a Python value, that cannot be hashed)
             return self.finish(one, args, kwargs, padding, s)
         if program is None:
-            statics = [x for x, st in zip(jax.tree.leaves((args, kwargs)), flat.static) if st]
             program = self._compile(closed.jaxpr, baked, out_shape, tree, flat.static, statics, s)
         self.kept[key] = program
         while len(self.kept) > LIMIT:

@@ -263,13 +263,15 @@ def embed_factors(indices, grad, eqn, found, acc):
     """The factors of an embedding lookup (outside scans), `found` its `_trace.Lookup`: one-hot
     rows (the row index of each index vector) and the output gradient's rows, whose Grams are
     at HIGHEST precision (the lookup's gradient is a sum of those rows: no product's rounding
-    to follow). The lookup's mode decides what an index out of range does: clamped, or its row
-    dropped (as is a row whose column index is not 0, the only start of a whole row)."""
+    to follow). An index out of range is clamped where the lookup's mode clips, else its row
+    is dropped (as is a row whose column index is not 0, the only start of a whole row), as
+    JAX's gradient of the lookup drops it: ``table[ids]``'s promise that ids are in range
+    reads the nearest row, but its gradient (a scatter) drops an index out of range."""
     rows = eqn.invars[0].aval.shape[found.row]
     batch = indices.shape[0]
     ids = indices[..., found.row_index].reshape(1, batch, 1, -1)
-    y = grad.reshape(1, batch, 1, ids.shape[3], -1)
-    if "FILL" in str(eqn.params.get("mode", "")).upper():
+    y = jnp.moveaxis(grad, 1 + found.features, -1).reshape(1, batch, 1, ids.shape[3], -1)
+    if lax.GatherScatterMode.from_any(eqn.params.get("mode")) != lax.GatherScatterMode.CLIP:
         inside = (ids >= 0) & (ids < rows)
         if found.column_index is not None:
             inside &= indices[..., found.column_index].reshape(ids.shape) == 0

@@ -122,18 +122,18 @@ def one_example(flat: Flat) -> list:
     ]
 
 
+def flat_loss(one, flat: Flat):
+    """One example's loss `one` as a function of `flat.leaves` (one example's)."""
+    return lambda *leaves: one(*flat.rebuild(leaves))
+
+
 def trace(one, flat: Flat):
     """The closed jaxpr of one example's loss, its output shapes and its `_trace.Plan`."""
-    single = one_example(flat)
-
-    def flat_one(*leaves):
-        return one(*flat.rebuild(leaves))
-
     shared = [  # (the arguments the same for every example: neither batched nor differentiated)
         None if b or p else x
         for x, b, p in zip(flat.leaves, flat.batched, flat.params, strict=True)
     ]
-    return _trace.trace(flat_one, single, flat.params, shared)
+    return _trace.trace(flat_loss(one, flat), one_example(flat), flat.params, shared)
 
 
 def batch_axis_spec(like):

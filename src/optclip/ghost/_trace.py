@@ -236,33 +236,33 @@ def _conv(site_id: int, eqn, used) -> Site:
 
 
 class Lookup(NamedTuple):
-    """An embedding lookup: the table's `row` dimension, and the positions in each index vector
+    """An embedding lookup: the table's `row` dimension, the positions in each index vector
     of the row's index and (where the index vector also names the other dimension, always
     starting at 0 since its slice is whole, as ``jax.vmap(lambda i: table[i])`` writes it) of
-    the column's, else None."""
+    the column's, else None, and the output's dimension of the row's `features`."""
 
     row: int
     row_index: int
     column_index: int | None
+    features: int
 
 
 def lookup(eqn, pos: int) -> Lookup | None:
     """How a `gather` of operand `pos` looks up whole rows of a 2-D table, one index per row
-    (``table[ids]``, ``jnp.take(table, ids, axis=...)``, ``jax.vmap(lambda i: table[i])``),
-    each row's features last in the output; else None."""
+    (``table[ids]``, ``jnp.take(table, ids, axis=...)``, ``jax.vmap(lambda i: table[i])``,
+    columns: ``table[:, ids]``), the row's features at any place in the output; else None."""
     numbers = eqn.params["dimension_numbers"]
     shape = eqn.invars[0].aval.shape
-    out_ndim = len(eqn.outvars[0].aval.shape)
     indices = eqn.invars[1].aval.shape
     starts = tuple(numbers.start_index_map)
     if pos != 0 or len(shape) != 2 or numbers.operand_batching_dims or not indices:
         return None
     collapsed = tuple(numbers.collapsed_slice_dims)
+    offsets = tuple(numbers.offset_dims)  # (the output's dimensions of the operand's kept ones)
     if len(collapsed) == 1:
         row = collapsed[0]
-        offsets: tuple = (out_ndim - 1,)
     elif not collapsed and tuple(eqn.params["slice_sizes"])[0] == 1:
-        row, offsets = 0, (out_ndim - 2, out_ndim - 1)  # the row's slice dimension kept (size 1)
+        row = 0  # the row's slice dimension kept (size 1): the first of the offsets
     else:
         return None
     full = tuple(1 if d == row else shape[d] for d in range(2))
@@ -271,11 +271,11 @@ def lookup(eqn, pos: int) -> Lookup | None:
         or row not in starts
         or not set(starts) <= {0, 1}
         or indices[-1] != len(starts)
-        or tuple(numbers.offset_dims) != offsets
+        or len(offsets) != 2 - len(collapsed)
     ):
         return None
     column = starts.index(1 - row) if 1 - row in starts else None
-    return Lookup(row, starts.index(row), column)
+    return Lookup(row, starts.index(row), column, offsets[-1])
 
 
 def _embed(site_id: int, eqn, used) -> Site:

@@ -1,0 +1,348 @@
+"""Random convolutions and random dense products (`dot_general`) by a weight, against the
+float64 reference: every arrangement hypothesis finds of the layouts, strides, paddings and
+dilations of a convolution, and of the contracted, head (batch) and free dimensions of a dense
+layer, the weight on either side, used once or twice, in a scan or not, at magnitudes whose
+squares overflow or flush in float32; and random lookups, ids out of range at either end.
+(`test_ghost.py`'s random models cover embeddings, stacked dense layers and scales; its fixed
+models, one arrangement of each.) ``OPTCLIP_RANDOM_EXAMPLES=400`` draws 400 examples per test
+where a run draws 8 (BUILD_NOTES: how many were searched)."""
+
+import os
+
+import ghost_models as gm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from ghost_models import RTOL
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import optclip
+from optclip.ghost import _leaves
+
+SPATIAL = "HWD"
+EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))
+
+
+def check(loss, params, x, clip, leaf):
+    """`clipped_grad`'s norms and clipped sum, jitted, against float64: each entry within
+    `RTOL` (of the norm; of its leaf's largest entry), or no further than four times
+    ``method="vmap"``'s entry (a model whose float32 forward pass rounds away more: a random
+    one may). Returns the mode `leaf` went by."""
+    norms, sums = gm.reference(loss, params, x, clip)
+    out = {}
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
+        grads, aux = jax.jit(g)(params, x)
+        out[method] = [aux.grad_norms, *jax.tree.leaves(grads)]
+    expected = [norms, *jax.tree.leaves(sums)]
+    for i, (got, vmap, e) in enumerate(zip(*out.values(), expected, strict=True)):
+        got, vmap = np.asarray(got, np.float64), np.asarray(vmap, np.float64)
+        largest = np.max(np.abs(e), initial=0)
+        bound = RTOL * (np.abs(e) + 0.1 * largest if i == 0 else largest)
+        bound = np.maximum(bound, 4 * np.abs(vmap - e))
+        off = ~(np.abs(got - e) <= bound)  # (NaN is off)
+        what = "norms" if i == 0 else f"sum's leaf {i - 1}"
+        assert not np.any(off), f"{what}: {got[off]} against {e[off]} (vmap: {vmap[off]})"
+    return optclip.ghost_report(loss, params, x)[leaf].mode
+
+
+@st.composite
+def convolutions(draw):
+    """A convolution's arguments: 1 to 3 spatial dimensions, any order of each operand's
+    dimensions, strides, paddings (negative ones too), input and kernel dilations, feature
+    groups, several images in one example, a second convolution after it or not."""
+    nd = draw(st.integers(1, 3))
+    spatial = SPATIAL[:nd]
+    groups = draw(st.sampled_from([1, 1, 1, 2]))
+    return {
+        "specs": tuple(
+            "".join(draw(st.permutations(fixed + spatial))) for fixed in ("NC", "OI", "NC")
+        ),
+        "cin": draw(st.integers(1, 3)) * groups,
+        "cout": draw(st.integers(1, 3)) * groups,
+        "groups": groups,
+        "size": [draw(st.integers(1, 6 if nd < 3 else 4)) for _ in range(nd)],
+        "kernel": [draw(st.integers(1, 3)) for _ in range(nd)],
+        "strides": [draw(st.integers(1, 3)) for _ in range(nd)],
+        "padding": [(draw(st.integers(-1, 3)), draw(st.integers(-1, 3))) for _ in range(nd)],
+        "lhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
+        "rhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
+        "images": draw(st.integers(1, 3)),
+        "batch": draw(st.integers(1, 4)),
+        "second": draw(st.booleans()),
+        "clip": draw(st.sampled_from([0.1, 1.0, 1e30])),
+        "seed": draw(st.integers(0, 2**31)),
+    }
+
+
+def convolve(c, h, kernel):
+    """The convolution `c` of images `h` laid out ``(N, C, *spatial)``, by `kernel`."""
+    lhs, rhs, out = c["specs"]
+    spatial = SPATIAL[: len(c["size"])]
+    h = jnp.transpose(h, ["NC".find(d) if d in "NC" else 2 + spatial.index(d) for d in lhs])
+    return lax.conv_general_dilated(
+        h,
+        kernel,
+        c["strides"],
+        c["padding"],
+        c["lhs_dilation"],
+        c["rhs_dilation"],
+        (lhs, rhs, out),
+        c["groups"],
+    )
+
+
+def convolution_model(c):
+    """``loss(params, x)``: the convolution `c` (its kernel held in its own layout), a bias,
+    tanh, then a 1x1 convolution by a second kernel (`second`), for examples of `images`
+    images laid out ``(C, *spatial)``."""
+    rng = np.random.default_rng(c["seed"])
+    lhs, rhs, out = c["specs"]
+    spatial = SPATIAL[: len(c["size"])]
+    sizes = {"O": c["cout"], "I": c["cin"] // c["groups"], **dict(zip(spatial, c["kernel"]))}
+    params = {
+        "k": jnp.asarray(rng.normal(size=[sizes[d] for d in rhs]) * 0.5, jnp.float32),
+        "b": jnp.asarray(rng.normal(size=(c["cout"],)), jnp.float32),
+    }
+    if c["second"]:
+        ones = {"O": 2, "I": c["cout"], **dict.fromkeys(spatial, 1)}
+        params["k2"] = jnp.asarray(rng.normal(size=[ones[d] for d in rhs]), jnp.float32)
+    shape = (c["batch"], c["images"], c["cin"], *c["size"])
+    x = jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    def loss(p, x):
+        y = convolve(c, x[0], p["k"])
+        bias = jnp.expand_dims(p["b"], [i for i, d in enumerate(out) if d != "C"])
+        y = jnp.tanh(y + bias)
+        if c["second"]:
+            y = jnp.transpose(y, [out.index(d) for d in lhs])
+            y = lax.conv_general_dilated(
+                y, p["k2"], [1] * len(spatial), "SAME", dimension_numbers=(lhs, rhs, out)
+            )
+        weights = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))
+        return jnp.sum(jnp.sin(y) * weights)
+
+    return loss, params, x
+
+
+def conv_case(**changes):
+    """A hypothesis `example`: a 2-D convolution, NHWC and HWIO, changed by `changes`."""
+    case = {
+        "specs": ("NHWC", "HWIO", "NHWC"),
+        "cin": 2,
+        "cout": 3,
+        "groups": 1,
+        "size": [5, 4],
+        "kernel": [3, 2],
+        "strides": [1, 1],
+        "padding": [(1, 1), (0, 0)],
+        "lhs_dilation": [1, 1],
+        "rhs_dilation": [1, 1],
+        "images": 2,
+        "batch": 3,
+        "second": False,
+        "clip": 0.1,
+        "seed": 5,
+    }
+    return example(case | changes)
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(convolutions())
+# (an output of no entries: the kernel wider than its input)
+@conv_case(size=[1, 1], kernel=[1, 2], padding=[(0, 0), (0, 0)])
+# (a transposed convolution: the input dilated; strides; a negative padding)
+@conv_case(lhs_dilation=[2, 1], strides=[2, 3], padding=[(-1, 2), (2, 0)])
+# (grouped: materialised; then a second kernel after it)
+@conv_case(groups=2, cin=4, cout=4, second=True)
+# (3-D, every operand in its own order of dimensions)
+@conv_case(
+    specs=("DCNWH", "WHDIO", "HNDWC"),
+    size=[3, 4, 2],
+    kernel=[2, 1, 2],
+    strides=[1, 2, 1],
+    padding=[(0, 1), (1, 0), (0, 0)],
+    lhs_dilation=[1, 1, 1],
+    rhs_dilation=[2, 1, 1],
+    clip=1e30,
+)
+def test_random_convolutions_match_the_float64_reference(c):
+    loss, params, x = convolution_model(c)
+    mode = check(loss, params, x, c["clip"], "['k']")
+    if jax.eval_shape(lambda h, k: convolve(c, h, k), x[0], params["k"]).size == 0:
+        assert mode == "unused", c  # (an output of no entries: no gradient reaches the kernel)
+    else:
+        assert mode == ("ghost" if c["groups"] == 1 else "materialised"), c
+
+
+@st.composite
+def products(draw):
+    """A dense product's arguments: the weight's dimensions (contracted with the input, heads
+    shared with it, free) and the input's (contracted, heads, free: a sequence) in any order,
+    the weight on either side of `dot_general`, used once or twice (a cross term), in a scan
+    (a weight per step, or the same weight at every step) or not, viewed (scaled, negated,
+    transposed and back) or not, with inputs at a magnitude whose squares overflow or flush
+    in float32 and output gradients at its inverse."""
+    names = {
+        "c": draw(st.integers(1, 2)),
+        "h": draw(st.integers(0, 2)),
+        "o": draw(st.integers(0, 2)),
+        "t": draw(st.integers(0, 2)),
+    }
+    most = {"c": 4, "h": 3, "o": 4, "t": 6}
+    sizes = {f"{k}{i}": draw(st.integers(1, most[k])) for k, n in names.items() for i in range(n)}
+    return {
+        "sizes": sizes,
+        "weight": list(draw(st.permutations([d for d in sizes if d[0] in "cho"]))),
+        "input": list(draw(st.permutations([d for d in sizes if d[0] in "cht"]))),
+        "weight_first": draw(st.booleans()),
+        "twice": draw(st.booleans()),
+        "scan": draw(st.sampled_from([None, "stacked", "same"])),
+        "view": draw(st.sampled_from(["none", "scaled", "negated", "transposed"])),
+        "batch": draw(st.integers(1, 4)),
+        "magnitude": draw(st.sampled_from([1.0, 1e18, 1e-18])),
+        "clip": draw(st.sampled_from([0.1, 1.0, 1e30])),
+        "looped": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**31)),
+    }
+
+
+def product_model(c):
+    """``loss(params, x)``: the product `c`, then sin; a second use of the weight on another
+    input (`twice`); steps of a scan over stacked weights (``"stacked"``: then each product
+    takes a weight of the stack) or by the same weight (``"same"``)."""
+    rng = np.random.default_rng(c["seed"])
+    sizes, wd, xd, m = c["sizes"], c["weight"], c["input"], c["magnitude"]
+    layers = 3 if c["scan"] == "stacked" else None
+    shape = [sizes[d] for d in wd]
+    w = rng.normal(size=[layers, *shape] if layers else shape) * 0.5
+    params = {"w": jnp.asarray(w, jnp.float32)}
+    x = jnp.asarray(rng.normal(size=[c["batch"]] + [sizes[d] for d in xd]) * m, jnp.float32)
+    other = jnp.asarray(rng.normal(size=[sizes[d] for d in xd]) * m, jnp.float32)
+    contract = [d for d in wd if d[0] == "c"]
+    heads = [d for d in wd if d[0] == "h"]
+    on_w = ([wd.index(d) for d in contract], [wd.index(d) for d in heads])
+    on_x = ([xd.index(d) for d in contract], [xd.index(d) for d in heads])
+    views = {
+        "none": lambda v: v,
+        "scaled": lambda v: v * 0.5,
+        "negated": lambda v: -v,
+        "transposed": lambda v: jnp.transpose(jnp.transpose(v)),
+    }
+
+    def product(v, h):  # (divided by the magnitude: output gradients at its inverse)
+        v = views[c["view"]](v)
+        if c["weight_first"]:
+            return lax.dot_general(v, h, ((on_w[0], on_x[0]), (on_w[1], on_x[1]))) / m
+        return lax.dot_general(h, v, ((on_x[0], on_w[0]), (on_x[1], on_w[1]))) / m
+
+    def weighted(y):
+        return jnp.sum(jnp.sin(y) * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape)))
+
+    def loss(p, x):
+        h = x[0]
+        if c["scan"] == "stacked":
+            step = lambda total, v: (total + weighted(product(v, h)), None)  # noqa: E731
+            total = lax.scan(step, jnp.zeros((), h.dtype), p["w"])[0]
+            if c["twice"]:
+                step = lambda total, v: (total + weighted(product(v, other)) ** 2, None)  # noqa: E731
+                total = total + lax.scan(step, jnp.zeros((), h.dtype), p["w"])[0]
+            return total
+        total = weighted(product(p["w"], h))
+        if c["twice"]:
+            total = total + jnp.sum(jnp.tanh(product(p["w"], h * 0.5 + other)) ** 2)
+        if c["scan"] == "same":
+            inputs = jnp.stack([h, other, h * 2])
+            step = lambda total, u: (total + weighted(product(p["w"], u)), None)  # noqa: E731
+            total = total + lax.scan(step, jnp.zeros((), h.dtype), inputs)[0]
+        return total
+
+    return loss, params, x
+
+
+def product_case(**changes):
+    """A hypothesis `example`: ``x @ w`` over a sequence, changed by `changes`."""
+    case = {
+        "sizes": {"c0": 3, "o0": 2, "t0": 4},
+        "weight": ["c0", "o0"],
+        "input": ["t0", "c0"],
+        "weight_first": False,
+        "twice": False,
+        "scan": None,
+        "view": "none",
+        "batch": 3,
+        "magnitude": 1.0,
+        "clip": 0.1,
+        "looped": False,
+        "seed": 3,
+    }
+    return example(case | changes)
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(products())
+# (heads shared by the weight and the input, two contracted dimensions, the weight first,
+# used twice, at a magnitude whose squares overflow)
+@product_case(
+    sizes={"c0": 2, "c1": 3, "h0": 2, "o0": 2, "t0": 3},
+    weight=["o0", "c1", "h0", "c0"],
+    input=["c0", "h0", "t0", "c1"],
+    weight_first=True,
+    twice=True,
+    magnitude=1e18,
+)
+# (stacked weights in a scan, used twice, negated; the norms one example at a time)
+@product_case(scan="stacked", twice=True, view="negated", looped=True, magnitude=1e-18)
+# (the same weight at every step of a scan and outside it, scaled)
+@product_case(scan="same", twice=True, view="scaled", clip=1e30)
+def test_random_dense_products_match_the_float64_reference(c):
+    loop_work = _leaves.LOOP_WORK
+    _leaves.LOOP_WORK = 0 if c["looped"] else loop_work  # (the norms one example at a time)
+    try:
+        assert check(*product_model(c), c["clip"], "['w']") == "ghost", c
+    finally:
+        _leaves.LOOP_WORK = loop_work
+
+
+LOOKUPS = {  # (ways of looking up rows of a table, each with the mode JAX gives it)
+    "index": lambda t, ids: t[ids],  # (a promise that ids are in range; -1 counts from the end)
+    "clip": lambda t, ids: jnp.take(t, ids, axis=0, mode="clip"),
+    "fill": lambda t, ids: t.at[ids].get(mode="fill", fill_value=0),
+    "wrap": lambda t, ids: jnp.take(t, ids, axis=0, mode="wrap"),
+    "vmapped": lambda t, ids: jax.vmap(lambda i: t[i])(ids),  # (Equinox's)
+    "columns": lambda t, ids: jnp.take(t.T, ids, axis=1, mode="fill", fill_value=0).T,
+}
+
+
+@pytest.mark.slow
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    way=st.sampled_from(list(LOOKUPS)),
+    vocab=st.integers(1, 6),
+    length=st.integers(1, 5),
+    batch=st.integers(1, 4),
+    tied=st.booleans(),
+    clip=st.sampled_from([0.1, 1.0, 1e30]),
+    seed=st.integers(0, 2**31),
+)
+@example(way="index", vocab=5, length=4, batch=3, tied=True, clip=0.1, seed=0)
+@example(way="fill", vocab=3, length=5, batch=2, tied=False, clip=1.0, seed=1)
+def test_random_lookups_match_the_float64_reference(way, vocab, length, batch, tied, clip, seed):
+    # Ids from two below -vocab to two above vocab - 1: out of range at either end, negative
+    # ones counting from the end (`index`) or not; the table also the output layer (`tied`).
+    rng = np.random.default_rng(seed)
+    params = {"table": jnp.asarray(rng.normal(size=(vocab, 3)), jnp.float32)}
+    if not tied:
+        params["out"] = jnp.asarray(rng.normal(size=(3, vocab)), jnp.float32)
+    ids = jnp.asarray(rng.integers(-vocab - 2, vocab + 2, size=(batch, length)))
+
+    def loss(p, ids):
+        h = jnp.tanh(LOOKUPS[way](p["table"], ids[0]) * 2.0)
+        return jnp.sum(jnp.sin(h @ (p["table"].T if tied else p["out"])))
+
+    assert check(loss, params, ids, clip, "['table']") == "ghost"
