@@ -1,8 +1,9 @@
 """Random convolutions and random dense products (`dot_general`) by a weight, against the
 float64 reference: every arrangement hypothesis finds of the layouts, strides, paddings and
 dilations of a convolution, and of the contracted, head (batch) and free dimensions of a dense
-layer, the weight on either side, used once or twice, in a scan or not, at magnitudes whose
-squares overflow or flush in float32; and random lookups, ids out of range at either end.
+layer, the weight on either side, used once or twice, in a scan or not, its inputs at 1e18
+or 1e-18 (their squares within a few powers of ten of float32's largest and smallest normal
+numbers); and random lookups, ids out of range at either end.
 (`test_ghost.py`'s random models cover embeddings, stacked dense layers and scales; its fixed
 models, one arrangement of each.) ``OPTCLIP_RANDOM_EXAMPLES=400`` draws 400 examples per test
 where a run draws 8 (BUILD_NOTES: how many were searched)."""
@@ -191,8 +192,8 @@ def products(draw):
     shared with it, free) and the input's (contracted, heads, free: a sequence) in any order,
     the weight on either side of `dot_general`, used once or twice (a cross term), in a scan
     (a weight per step, or the same weight at every step) or not, viewed (scaled, negated,
-    transposed and back) or not, with inputs at a magnitude whose squares overflow or flush
-    in float32 and output gradients at its inverse."""
+    transposed and back) or not, with inputs at 1, 1e18 or 1e-18 and output gradients at the
+    inverse."""
     names = {
         "c": draw(st.integers(1, 2)),
         "h": draw(st.integers(0, 2)),
@@ -293,7 +294,7 @@ def product_case(**changes):
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(products())
 # (heads shared by the weight and the input, two contracted dimensions, the weight first,
-# used twice, at a magnitude whose squares overflow)
+# used twice, inputs at 1e18)
 @product_case(
     sizes={"c0": 2, "c1": 3, "h0": 2, "o0": 2, "t0": 3},
     weight=["o0", "c1", "h0", "c0"],
