@@ -141,6 +141,41 @@ def test_a_python_number_among_the_arguments_is_each_calls(kind, compiles):
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_rule_reads_what_is_outside_the_loss_when_its_program_compiles(compiles):
+    # What the docstring says: a custom derivative rule is the compiling call's, as under
+    # `jax.jit`. A coefficient the rule reads from a global, changed between calls, is not
+    # seen by the kept program (as a jitted step would not see it); given among the
+    # arguments it is (`test_a_python_number_among_the_arguments_is_each_calls`).
+    rng = np.random.default_rng(83)
+    params = {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+    x = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
+    held = {"coefficient": 0.5}
+
+    @jax.custom_vjp
+    def reverse(h):
+        return h
+
+    reverse.defvjp(lambda h: (h, None), lambda _, g: (-held["coefficient"] * g,))
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(reverse(x @ p["w"])))
+
+    g = optclip.clipped_grad(loss, l2_clip_norm=1e30, return_grad_norms=True)
+    jitted = jax.jit(g)
+    first, first_jitted = g(params, x), jitted(params, x)
+    held["coefficient"] = 2.0
+    with compiles() as names:
+        again, again_jitted = g(params, x), jitted(params, x)
+    assert names == []
+    for a, b, c, d in zip(*map(jax.tree.leaves, (first, again, first_jitted, again_jitted))):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, d)
+        np.testing.assert_array_equal(a, c)
+    fresh = optclip.clipped_grad(loss, l2_clip_norm=1e30, return_grad_norms=True)
+    check(fresh(params, x), loss, params, x, 1e30)  # (a new function compiles anew: 2.0)
+    np.testing.assert_allclose(fresh(params, x)[1].grad_norms, 4 * first[1].grad_norms, rtol=1e-6)
+
+
 def test_a_kept_program_keeps_no_array_of_its_call_alive():
     """The parameters, the batch and an array the loss closed over are freed once the caller
     drops them: the kept program holds none of them."""
