@@ -6,6 +6,9 @@
   learned position embedding, a final LayerNorm and an output projection; the loss of one
   example is its mean next-token cross-entropy.
 * ``mlp``: a ReLU MLP on flat inputs with a softmax cross-entropy.
+* ``convnet``: a depthwise-separable convolutional network (MobileNet's blocks): a 3x3 stem,
+  ``blocks`` residual blocks of a depthwise 3x3 convolution (a group per channel) and a
+  pointwise 1x1 one, average pooling and a dense head, on NHWC images; cross-entropy.
 
 Each ``loss(params, batch)`` takes a batch with a leading axis (``jax_privacy``'s
 ``keep_batch_dim=True`` convention: one example is a batch of one) and returns the mean loss.
@@ -125,6 +128,59 @@ def mlp_batch(shape: MLPShape, batch: int, seed: int = 1):
     rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.standard_normal((batch, shape.inputs)), jnp.float32)
     return x, jnp.asarray(rng.integers(0, shape.classes, batch), jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvShape:
+    size: int = 32
+    channels: int = 64
+    blocks: int = 3
+    classes: int = 10
+
+
+def convnet_params(shape: ConvShape, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    c = shape.channels
+
+    def normal(*dims, fan_in):
+        return jnp.asarray(rng.standard_normal(dims) / np.sqrt(fan_in), jnp.float32)
+
+    params = {"stem": normal(3, 3, 3, c, fan_in=27), "head": normal(c, shape.classes, fan_in=c)}
+    for i in range(shape.blocks):
+        params[f"block{i}"] = {
+            "depthwise": normal(3, 3, 1, c, fan_in=9),
+            "pointwise": normal(1, 1, c, c, fan_in=c),
+        }
+    return params
+
+
+def _conv(x, kernel, groups=1):
+    return jax.lax.conv_general_dilated(
+        x,
+        kernel,
+        (1, 1),
+        "SAME",
+        dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=groups,
+    )
+
+
+def convnet_loss(params, batch):
+    images, labels = batch
+    h = jax.nn.relu(_conv(images, params["stem"]))
+    for i in range(len(params) - 2):
+        block = params[f"block{i}"]
+        mixed = jax.nn.relu(_conv(h, block["depthwise"], groups=h.shape[-1]))
+        h = h + _conv(mixed, block["pointwise"])
+    logp = jax.nn.log_softmax(jnp.mean(h, axis=(1, 2)) @ params["head"], axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=-1))
+
+
+def convnet_batch(shape: ConvShape, batch: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    images = rng.standard_normal((batch, shape.size, shape.size, 3))
+    labels = rng.integers(0, shape.classes, batch)
+    return jnp.asarray(images, jnp.float32), jnp.asarray(labels, jnp.int32)
 
 
 def cast(tree, dtype):

@@ -5,7 +5,8 @@
     python benchmarks/private.py --markdown benchmarks/private_results.json  (the guide's table)
 
 Side by side in one process, for a transformer with scanned blocks (d=256, T=128, vocabulary
-8192, 4 blocks) and an MLP, at batch sizes 16, 64 and 256:
+8192, 4 blocks) and an MLP, at batch sizes 16, 64 and 256 (``--only convnet``: a
+depthwise-separable convolutional network on 32x32 images, 64 channels, 3 blocks):
 
 * ``optclip.clipped_grad`` (ghost clipping: per-example norms from each layer's activations
   and output gradients, no per-example gradient formed);
@@ -264,7 +265,12 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
     parser.add_argument("--run-limit-gib", type=_timing.gib, default=12.0)
-    parser.add_argument("--only", choices=["transformer", "mlp"], default=None)
+    parser.add_argument(
+        "--only",
+        choices=["transformer", "mlp", "convnet"],
+        default=None,
+        help="one model (the convnet runs only when named here)",
+    )
     parser.add_argument(
         "--batches", type=_timing.count, nargs="+", default=None, help="batch sizes"
     )
@@ -294,9 +300,11 @@ def main(argv=None) -> list[dict]:
     if args.quick:
         t_shape = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2)
         m_shape = models.MLPShape(inputs=16, hidden=32, layers=2, classes=4)
+        c_shape = models.ConvShape(size=8, channels=8, blocks=2)
         batches = (4, 8)
     else:
         t_shape, m_shape, batches = models.TransformerShape(), models.MLPShape(), (16, 64, 256)
+        c_shape = models.ConvShape()
     batches = tuple(args.batches) if args.batches else batches
     print(
         f"private training benchmark: jax {jax.__version__}, {where()} "
@@ -319,9 +327,14 @@ def main(argv=None) -> list[dict]:
             models.transformer_params(t_shape),
             lambda b: models.transformer_batch(t_shape, b),
         ),
+        "convnet": (
+            models.convnet_loss,
+            models.convnet_params(c_shape),
+            lambda b: models.convnet_batch(c_shape, b),
+        ),
     }
     for name, (loss, params, make_batch) in setups.items():
-        if args.only and name != args.only:
+        if name != args.only and (args.only or name == "convnet"):
             continue
         print(f"{name}: {models.parameter_count(params):,} parameters", flush=True)
         for b in batches:

@@ -59,7 +59,7 @@ steps take milliseconds: each round then calls a step until the round takes 50 m
 ``--products`` times the MLP's first layer's clipped sum ``A^T (w G)`` (records ``(B, 1,
 784)``, output gradients ``(B, 1, 512)``) three ways: the non-private step's ``A^T G``, JAX's
 VJP of the batched equation (what the engine did before issue 20's fifth part: it transposes
-its product) and the engine's written-out product (`_sums._dense_view_sum`).
+its product) and the engine's written-out product (`_products.dense_view_sum`).
 
 ``--flops`` counts, in place of timing, each step's matrix products' floating-point operations
 (2 per multiply-add of every `dot_general` in its jaxpr: a scan's body as many times as it
@@ -113,7 +113,7 @@ import _timing  # noqa: E402
 import private  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip.ghost import _factors, _interpret, _leaves, _sums  # noqa: E402
+from optclip.ghost import _factors, _interpret, _leaves, _products, _sums  # noqa: E402
 
 CLIP = 1.0
 HIGHEST = lax.Precision.HIGHEST
@@ -360,7 +360,7 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
         return jax.vjp(lambda k: f(a, k), kernel)[1](g * w[:, None, None])[0]
 
     def written_out(a, g, w):
-        return _sums._dense_view_sum(eqn, 1, kernel, a, g * w[:, None, None], 0)
+        return _products.dense_view_sum(eqn, 1, kernel, a, g * w[:, None, None], 0)
 
     ways = {"A^T G (non-private)": plain, "VJP of the batch": vjp, "written out": written_out}
     fns = {name: jax.jit(f).lower(a, g, w).compile() for name, f in ways.items()}

@@ -221,6 +221,40 @@ def conv(rng, dtype=np.float32, batch=3):
     return loss, params, x
 
 
+def conv_shared(rng, dtype=np.float32, batch=3, layers=2):
+    """Convolutions beyond one kernel per layer: a depthwise one (a group per input feature,
+    two outputs each), a grouped one (two groups), a kernel used twice (a second time
+    dilated), and stacked kernels under a rematerialised `lax.scan` (one per block, grouped),
+    then a dense head."""
+    shapes = {
+        "depthwise": (3, 3, 1, 4),
+        "grouped": (2, 2, 2, 4),
+        "twice": (3, 2, 4, 4),
+        "stacked": (layers, 2, 2, 2, 4),
+        "head": (4,),
+    }
+    params = _init(rng, shapes, dtype)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(h, k, groups=1, **kwargs):
+        return jax.lax.conv_general_dilated(
+            h, k, (1, 1), "SAME", dimension_numbers=dn, feature_group_count=groups, **kwargs
+        )
+
+    def block(h, k):
+        return h + jnp.tanh(conv(h, k, 2)), None
+
+    def loss(p, x):
+        h = jnp.tanh(conv(x, p["depthwise"], 2))
+        h = jnp.tanh(conv(h, p["grouped"], 2))
+        h = jnp.tanh(conv(h, p["twice"])) + conv(h, p["twice"], rhs_dilation=(2, 1))
+        h, _ = jax.lax.scan(jax.checkpoint(block), h, p["stacked"])
+        return jnp.sum(jnp.sin(h @ p["head"]))
+
+    x = jnp.asarray(rng.normal(size=(batch, 5, 4, 2)), dtype)
+    return loss, params, x
+
+
 def take_gpu_branches(patch):
     """Every `lax.platform_dependent` traced while `patch` (a pytest `MonkeyPatch`) holds takes
     its default branch, the GPU's: what a GPU runs, traced and run on this machine."""

@@ -6,7 +6,8 @@ on the common path and on the paths taken for gradients whose squares overflow a
 dropped non-finite example, with the norms' Grams batched and one example at a time, with
 the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too), and
 with every parameter scaled by a number the loss computes (a view of each weight), and by one
-the step traces (an argument of the jitted step, passed to the loss unbatched).
+the step traces (an argument of the jitted step, passed to the loss unbatched); and
+convolutions (grouped, a kernel used twice, stacked under a scan).
 Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
@@ -34,6 +35,8 @@ def main():
         ("transformer", gm.transformer, AxisType.Auto),
         ("tied", lambda rng, batch: gm.embedding(rng, batch=batch, tied=True), AxisType.Auto),
         ("mlp", gm.mlp, AxisType.Explicit),
+        # (kernels grouped, used twice, stacked under a scan: their sums written out on a CPU)
+        ("conv", gm.conv_shared, AxisType.Auto),
     )
     assert jax.device_count() == 8, jax.devices()
     root = lambda a: a * jax.numpy.sqrt(0.5)  # noqa: E731  (a number computed in the loss)
@@ -46,7 +49,9 @@ def main():
         # path).
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
         variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
-        if name != "tied":  # every parameter times a number the loss computes (muP's: its
+        if name == "conv":  # (the common path only: each variant compiles for 20 s)
+            variants = [("", loss, x, None)]
+        elif name != "tied":  # every parameter times a number the loss computes (muP's: its
             # weights are views, computed while tracing), or one the step traces
             scaled = lambda p, x, loss=loss: loss(jax.tree.map(root, p), x)  # noqa: E731
             variants.append(("scaled", scaled, x, None))
@@ -54,8 +59,8 @@ def main():
                 jax.tree.map(lambda a: a * s, p), x
             )
             variants.append(("traced", traced, x, None))
-        if axis_type == AxisType.Auto:  # the norms one example at a time (as on a CPU when
-            variants.append(("looped", loss, x, None))  # one example's Grams are large)
+        if axis_type == AxisType.Auto and name != "conv":  # the norms one example at a
+            variants.append(("looped", loss, x, None))  # time (a CPU's, for large Grams)
         if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does
             whole = NamedSharding(mesh, PartitionSpec())
             held = lambda p, x, loss=loss, whole=whole: loss(  # noqa: E731

@@ -137,17 +137,19 @@ def test_private_training_benchmark_runs_and_plots(tmp_path):
 
 def test_the_private_training_guide_shows_the_saved_run():
     """The guide's cost tables are the saved runs' (`benchmarks/private_results.json`,
-    `private_results_h200.json`, `_h100.json` and `_h100_pinned.json`, the rows `private.py
-    --json` wrote), as `private.py --markdown` prints them, and its figure names every method
-    and model."""
+    `private_results_h200.json`, `_h100.json`, `_h100_pinned.json` and `_convnet.json`, the
+    rows `private.py --json` wrote), as `private.py --markdown` prints them, and its figure
+    names every method and model."""
     bench = load("private.py")
     guide = (ROOT / "docs" / "guides" / "private-training.md").read_text(encoding="utf-8")
     every = (16, 64, 256)
-    runs = {  # (a CPU's, an H200's, an H100's: the transformer only; the last at 256 only)
+    runs = {  # (a CPU's, an H200's, an H100's: the transformer only; the last at 256 only;
+        # the CPU's convnet)
         "private_results.json": (("transformer", "mlp"), every),
         "private_results_h200.json": (("transformer", "mlp"), every),
         "private_results_h100.json": (("transformer",), every),
         "private_results_h100_pinned.json": (("transformer",), (256,)),
+        "private_results_convnet.json": (("convnet",), (16, 64)),
     }
     for run, (models, batches) in runs.items():
         rows = json.loads((ROOT / "benchmarks" / run).read_text())

@@ -34,6 +34,7 @@ MODELS = {
     "sliced": gm.sliced,
     "transformer": gm.transformer,
     "conv": gm.conv,
+    "conv_shared": gm.conv_shared,
 }
 
 
@@ -70,9 +71,12 @@ def check_against_reference(
 
 
 # The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
-# steps (nested), stacked blocks with sliced q/k/v, convolutions (all in the slow tier below).
+# steps (nested), stacked blocks with sliced q/k/v, convolutions (plain; grouped, a kernel
+# used twice, stacked under a scan) (all in the slow tier below).
 @pytest.mark.every_case
-@pytest.mark.parametrize("name", ["mlp", "tied", "fallback", "recurrent", "transformer", "conv"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "tied", "fallback", "recurrent", "transformer", "conv", "conv_shared"]
+)
 def test_each_layer_kind_matches_the_float64_reference(name):
     loss, params, x = MODELS[name](np.random.default_rng(0))
     check_against_reference(loss, params, x, 1.0)
@@ -442,7 +446,31 @@ def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent"])
+@pytest.mark.parametrize("way", ["cpu", "gpu"])
+def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, monkeypatch):
+    """The kernels' clipped sums: on a CPU written out as one convolution laid out as XLA's
+    CPU runtime convolves fastest (`_products.conv_view_sum`: JAX's VJP of the batched
+    convolution, in the sums' `cond` branch, ran 25x slower there), elsewhere JAX's VJP (the
+    GPU's branch taken here). Against float64 for kernels depthwise, grouped, used twice,
+    dilated, stacked under a scan, strided with padding, 1-D in another layout; at
+    magnitudes whose squares overflow (each side weighted by its share of the factor); with a
+    dropped non-finite example (the sums' other path, one example after another)."""
+    if way == "gpu":
+        gm.take_gpu_branches(monkeypatch)
+    for build in (gm.conv_shared, gm.conv):
+        loss, params, x = build(np.random.default_rng(21))
+        check_against_reference(loss, params, x, 0.5)
+        huge = lambda p, x, loss=loss: loss(p, x) * 1e22  # noqa: E731
+        check_against_reference(huge, params, x, 0.5)
+        bad = x.at[1].set(np.nan)
+        step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+        grads, aux = jax.jit(step)(params, bad)
+        assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
+        _, sums = gm.reference(loss, params, x[np.array([0, 2])], 0.5)
+        assert_tree_close(grads, sums)
+
+
+@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "conv_shared"])
 def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkeypatch):
     # Norms are computed on the factors as they are where no product can overflow or flush,
     # else one example at a time on factors divided by their magnitudes: forced here.
@@ -459,7 +487,9 @@ def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkey
     assert_tree_close(scaled[0], jax.tree.map(np.asarray, common[0]), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "scanned", "mlp"])
+@pytest.mark.parametrize(
+    "name", ["transformer", "tied", "conv", "recurrent", "scanned", "mlp", "conv_shared"]
+)
 def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     # On a CPU, where one example's Grams are large (`_leaves.LOOP_WORK` multiply-adds), the
     # norms are computed one example after another: forced here (the tests' models are small)
@@ -884,7 +914,7 @@ def test_dense_layers_are_ghost_never_batch_by_weight(length):
 
 
 # A dense site's clipped sum is one `dot_general` of its record and its weighted output
-# gradient (`_sums._dense_view_sum`), its dimension numbers worked out from the layer's: every
+# gradient (`_products.dense_view_sum`), its dimension numbers worked out from the layer's: every
 # arrangement of the weight's dimensions, on either side, with head (batch) dimensions, the
 # record's free dimensions before or after those it contracts, in a scan (one weight per step,
 # or the same weight at every step).
@@ -1618,6 +1648,8 @@ def test_a_batch_sharded_over_eight_devices(ghost_multidevice):
     for classic in ("no mesh context", "parameters split"):  # (not under `jax.set_mesh`)
         assert f"transformer/Auto/{classic}" in done.stdout, done.stdout
         assert f"transformer/Auto/held/{classic}" in done.stdout, done.stdout
+    for conv in ("conv/Auto/spmd_axis_name", "conv/Auto/no mesh context"):
+        assert conv in done.stdout, done.stdout
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
@@ -1799,7 +1831,7 @@ def test_a_division_by_zero_or_a_number_not_finite_is_no_scaling(number, mode):
 
 
 GRADIENT_MODELS = ["mlp", "sequence", "embedding", "fallback", "scanned", "recurrent"]
-GRADIENT_MODELS += ["sliced", "transformer", "conv"]
+GRADIENT_MODELS += ["sliced", "transformer", "conv", "conv_shared"]
 
 
 GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]

@@ -266,9 +266,6 @@ def bag():
 
 # Each model and a threshold that clips some of its examples and not others.
 MODELS = {"transformer": (transformer, 150.0), "stack": (stack, 28.5), "conv": (convnet, 0.15)}
-# Checked for its numbers only: the depthwise (grouped) convolution, which the engine
-# materialises (grouped convolutions have no closed form written).
-UNASSERTED = {".depthwise.weight"}
 
 
 def jit_fast_eager_slow(names, slow=()):
@@ -293,7 +290,7 @@ def test_equinox_models_match_the_reference_and_go_ghost(name, mode):
     loss, params, x = make()
     got = modes(optclip.ghost_report(loss, params, x))
     assert got and all(m != "unused" for m in got.values()), got
-    expected = {path: expected_mode(path) for path in got if path not in UNASSERTED}
+    expected = {path: expected_mode(path) for path in got}
     assert {path: got[path] for path in expected} == expected
     norms = check(loss, params, x, clip, mode)
     assert np.min(norms) < clip < np.max(norms)

@@ -1,7 +1,7 @@
 """`clipped_grad` on Flax models (Linen and NNX): Dense, Embed (tied or not; learned positions,
-looked up at ``jnp.arange(T)`` as GPT-2 does), LayerNorm, RMSNorm, attention, Conv; ghost where
-the layer allows, and equal to the float64 reference (computed in bfloat16: within its rounding
-of `method="vmap"`)."""
+looked up at ``jnp.arange(T)`` as GPT-2 does), LayerNorm, RMSNorm, attention, Conv (depthwise
+too); ghost where the layer allows, and equal to the float64 reference (computed in bfloat16:
+within its rounding of `method="vmap"`)."""
 
 from typing import Any
 
@@ -38,12 +38,15 @@ class NNXModel(nnx.Module):
         self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
         self.positions = nnx.Embed(T, D, rngs=rngs)
         self.norm = nnx.LayerNorm(D, rngs=rngs)
+        # (depthwise over the sequence: a group per feature, as ConvNeXt's and MobileNet's)
+        self.mix = nnx.Conv(D, D, (3,), feature_group_count=D, padding="CAUSAL", rngs=rngs)
         self.dense = nnx.Linear(D, D, rngs=rngs)
         self.out = nnx.Linear(D, VOCAB, use_bias=False, rngs=rngs)
 
     def __call__(self, ids):
         h = self.embed(ids) + self.positions(jnp.arange(ids.shape[-1]))
-        return self.out(jax.nn.relu(self.dense(self.norm(h))))
+        h = self.norm(h)
+        return self.out(jax.nn.relu(self.dense(h + self.mix(h))))
 
 
 def cross_entropy(logits, ids):

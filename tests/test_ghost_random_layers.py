@@ -1,9 +1,10 @@
 """Random convolutions and random dense products (`dot_general`) by a weight, against the
-float64 reference: every arrangement hypothesis finds of the layouts, strides, paddings and
-dilations of a convolution, and of the contracted, head (batch) and free dimensions of a dense
-layer, the weight on either side, used once or twice, in a scan or not, its inputs at 1e18
-or 1e-18 (their squares within a few powers of ten of float32's largest and smallest normal
-numbers); and random lookups, ids out of range at either end.
+float64 reference: every arrangement hypothesis finds of the layouts, strides, paddings,
+dilations and feature groups of a convolution (its kernel used once, twice or in a scan),
+and of the contracted, head (batch) and free dimensions of a dense layer, the weight on
+either side, used once or twice, in a scan or not, its inputs at 1e18 or 1e-18 (their
+squares within a few powers of ten of float32's largest and smallest normal numbers); and
+random lookups, ids out of range at either end.
 (`test_ghost.py`'s random models cover embeddings, stacked dense layers and scales; its fixed
 models, one arrangement of each.) ``OPTCLIP_RANDOM_EXAMPLES=400`` draws 400 examples per test
 where a run draws 8 (BUILD_NOTES: how many were searched)."""
@@ -54,11 +55,15 @@ def check(loss, params, x, clip, leaf):
 def convolutions(draw):
     """A convolution's arguments: 1 to 3 spatial dimensions, any order of each operand's
     dimensions, strides, paddings (negative ones too), input and kernel dilations, feature
-    groups, several images in one example, a second convolution after it or not."""
+    groups, several images in one example, a second convolution after it or not; the kernel
+    used once, twice (the second time with a geometry of its own), or at each step of a scan
+    (stacked kernels, or the same one)."""
     nd = draw(st.integers(1, 3))
     spatial = SPATIAL[:nd]
-    groups = draw(st.sampled_from([1, 1, 1, 2]))
+    groups = draw(st.sampled_from([1, 1, 2, 3]))
     return {
+        "uses": draw(st.sampled_from(["once", "twice", "stacked", "same"])),
+        "again": draw(geometries(nd)),
         "specs": tuple(
             "".join(draw(st.permutations(fixed + spatial))) for fixed in ("NC", "OI", "NC")
         ),
@@ -67,10 +72,7 @@ def convolutions(draw):
         "groups": groups,
         "size": [draw(st.integers(1, 6 if nd < 3 else 4)) for _ in range(nd)],
         "kernel": [draw(st.integers(1, 3)) for _ in range(nd)],
-        "strides": [draw(st.integers(1, 3)) for _ in range(nd)],
-        "padding": [(draw(st.integers(-1, 3)), draw(st.integers(-1, 3))) for _ in range(nd)],
-        "lhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
-        "rhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
+        **draw(geometries(nd)),
         "images": draw(st.integers(1, 3)),
         "batch": draw(st.integers(1, 4)),
         "second": draw(st.booleans()),
@@ -79,18 +81,31 @@ def convolutions(draw):
     }
 
 
-def convolve(c, h, kernel):
-    """The convolution `c` of images `h` laid out ``(N, C, *spatial)``, by `kernel`."""
+@st.composite
+def geometries(draw, nd):
+    """A convolution's strides, paddings (negative ones too), input and kernel dilations."""
+    return {
+        "strides": [draw(st.integers(1, 3)) for _ in range(nd)],
+        "padding": [(draw(st.integers(-1, 3)), draw(st.integers(-1, 3))) for _ in range(nd)],
+        "lhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
+        "rhs_dilation": [draw(st.sampled_from([1, 1, 2])) for _ in range(nd)],
+    }
+
+
+def convolve(c, h, kernel, geometry=None):
+    """The convolution `c` of images `h` laid out ``(N, C, *spatial)``, by `kernel`, with the
+    strides, paddings and dilations of `geometry` (by default `c`'s)."""
     lhs, rhs, out = c["specs"]
+    g = geometry or c
     spatial = SPATIAL[: len(c["size"])]
     h = jnp.transpose(h, ["NC".find(d) if d in "NC" else 2 + spatial.index(d) for d in lhs])
     return lax.conv_general_dilated(
         h,
         kernel,
-        c["strides"],
-        c["padding"],
-        c["lhs_dilation"],
-        c["rhs_dilation"],
+        g["strides"],
+        g["padding"],
+        g["lhs_dilation"],
+        g["rhs_dilation"],
         (lhs, rhs, out),
         c["groups"],
     )
@@ -99,13 +114,19 @@ def convolve(c, h, kernel):
 def convolution_model(c):
     """``loss(params, x)``: the convolution `c` (its kernel held in its own layout), a bias,
     tanh, then a 1x1 convolution by a second kernel (`second`), for examples of `images`
-    images laid out ``(C, *spatial)``."""
+    images laid out ``(C, *spatial)``. With `uses` ``"twice"``, the kernel also convolves the
+    images' cosines with the geometry `again`; ``"stacked"``: two kernels, each convolving
+    the images times its own number at a step of a scan; ``"same"``: the kernel at each of
+    the scan's two steps."""
     rng = np.random.default_rng(c["seed"])
     lhs, rhs, out = c["specs"]
     spatial = SPATIAL[: len(c["size"])]
     sizes = {"O": c["cout"], "I": c["cin"] // c["groups"], **dict(zip(spatial, c["kernel"]))}
+    kernel = [sizes[d] for d in rhs]
+    if c["uses"] == "stacked":
+        kernel = [2, *kernel]
     params = {
-        "k": jnp.asarray(rng.normal(size=[sizes[d] for d in rhs]) * 0.5, jnp.float32),
+        "k": jnp.asarray(rng.normal(size=kernel) * 0.5, jnp.float32),
         "b": jnp.asarray(rng.normal(size=(c["cout"],)), jnp.float32),
     }
     if c["second"]:
@@ -114,8 +135,11 @@ def convolution_model(c):
     shape = (c["batch"], c["images"], c["cin"], *c["size"])
     x = jnp.asarray(rng.normal(size=shape), jnp.float32)
 
-    def loss(p, x):
-        y = convolve(c, x[0], p["k"])
+    def weighted(y):
+        return jnp.sum(jnp.sin(y) * jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape)))
+
+    def layer(p, h, kernel):
+        y = convolve(c, h, kernel)
         bias = jnp.expand_dims(p["b"], [i for i, d in enumerate(out) if d != "C"])
         y = jnp.tanh(y + bias)
         if c["second"]:
@@ -123,25 +147,42 @@ def convolution_model(c):
             y = lax.conv_general_dilated(
                 y, p["k2"], [1] * len(spatial), "SAME", dimension_numbers=(lhs, rhs, out)
             )
-        weights = jnp.cos(jnp.arange(y.size, dtype=y.dtype).reshape(y.shape))
-        return jnp.sum(jnp.sin(y) * weights)
+        return weighted(y)
+
+    def loss(p, x):
+        h = x[0]
+        if c["uses"] == "stacked":
+            step = lambda total, ks: (total + layer(p, h * ks[1], ks[0]), None)  # noqa: E731
+            return lax.scan(step, jnp.zeros((), h.dtype), (p["k"], jnp.array([1.0, -0.5])))[0]
+        if c["uses"] == "same":
+            step = lambda total, s: (total + layer(p, h * s, p["k"]), None)  # noqa: E731
+            return lax.scan(step, jnp.zeros((), h.dtype), jnp.array([1.0, -0.5]))[0]
+        total = layer(p, h, p["k"])
+        if c["uses"] == "twice":
+            total = total + weighted(convolve(c, jnp.cos(h), p["k"], c["again"]))
+        return total
 
     return loss, params, x
 
 
 def conv_case(**changes):
     """A hypothesis `example`: a 2-D convolution, NHWC and HWIO, changed by `changes`."""
+    geometry = {
+        "strides": [1, 1],
+        "padding": [(1, 1), (0, 0)],
+        "lhs_dilation": [1, 1],
+        "rhs_dilation": [1, 1],
+    }
     case = {
+        "uses": "once",
+        "again": geometry,
         "specs": ("NHWC", "HWIO", "NHWC"),
         "cin": 2,
         "cout": 3,
         "groups": 1,
         "size": [5, 4],
         "kernel": [3, 2],
-        "strides": [1, 1],
-        "padding": [(1, 1), (0, 0)],
-        "lhs_dilation": [1, 1],
-        "rhs_dilation": [1, 1],
+        **geometry,
         "images": 2,
         "batch": 3,
         "second": False,
@@ -160,8 +201,24 @@ def conv_case(**changes):
 @conv_case(size=[1, 1], kernel=[1, 2], padding=[(0, 0), (0, 0)])
 # (a transposed convolution: the input dilated; strides; a negative padding)
 @conv_case(lhs_dilation=[2, 1], strides=[2, 3], padding=[(-1, 2), (2, 0)])
-# (grouped: materialised; then a second kernel after it)
+# (grouped; then a second kernel after it)
 @conv_case(groups=2, cin=4, cout=4, second=True)
+# (depthwise, used twice: the second time strided and dilated, with a negative padding)
+@conv_case(
+    groups=2,
+    cin=2,
+    cout=4,
+    uses="twice",
+    again={
+        "strides": [2, 1],
+        "padding": [(-1, 1), (2, 0)],
+        "lhs_dilation": [1, 2],
+        "rhs_dilation": [2, 1],
+    },
+)
+# (stacked kernels under a scan, grouped; the same kernel at every step)
+@conv_case(groups=3, cin=3, cout=6, uses="stacked", clip=1.0)
+@conv_case(uses="same", kernel=[2, 2], padding=[(0, 0), (1, 0)])
 # (3-D, every operand in its own order of dimensions)
 @conv_case(
     specs=("DCNWH", "WHDIO", "HNDWC"),
@@ -175,15 +232,17 @@ def conv_case(**changes):
 )
 def test_random_convolutions_match_the_float64_reference(c):
     loss, params, x = convolution_model(c)
+    kernel = params["k"][0] if c["uses"] == "stacked" else params["k"]
+    geometries = [None, c["again"]] if c["uses"] == "twice" else [None]
     try:
-        out = jax.eval_shape(lambda h, k: convolve(c, h, k), x[0], params["k"])
+        outs = [
+            jax.eval_shape(lambda h, k, g=g: convolve(c, h, k, g), x[0], kernel) for g in geometries
+        ]
     except ValueError:  # (JAX refuses it: a negative padding larger than the input)
         assume(False)
     mode = check(loss, params, x, c["clip"], "['k']")
-    if out.size == 0:
-        assert mode == "unused", c  # (an output of no entries: no gradient reaches the kernel)
-    else:
-        assert mode == ("ghost" if c["groups"] == 1 else "materialised"), c
+    # (an output of no entries: no gradient reaches the kernel by that use)
+    assert mode == ("unused" if all(o.size == 0 for o in outs) else "ghost"), c
 
 
 @st.composite

@@ -47,6 +47,7 @@ LAYERS = [
     ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms
     ["ghost._pairs"],  # a leaf's norm over every pair of its uses, each scaled by its number
     ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised
+    ["ghost._products"],  # a product site's batch sum written as one product
     ["ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)
     ["ghost._passes"],  # the ghost and the vmap passes: norms, weights, clipped sum
     ["ghost._eager"],  # an eager call run as one compiled program

@@ -120,12 +120,13 @@ def clipped_grad(
     the per-example norms ``||g_b||`` are computed without forming ``g_b`` where the loss uses a
     parameter through a dense layer or einsum (``dot_general``, with sequence and head
     dimensions), an embedding lookup (``gather``) or a convolution by its kernel
-    (``conv_general_dilated``, ungrouped): from each use's input and output gradient
-    (ghost clipping), the cross terms of a parameter used more than once (tied embeddings)
-    included; nested ``jit``, ``checkpoint`` and ``lax.scan`` (stacked layers, weights shared
-    across steps) are seen through. A parameter used by any other operation (a bias, a scale,
-    ``sin(w)``, a ``cond``...) has its per-example gradient materialised, that leaf only: the
-    backward pass gives it, each example having its own copy of that leaf. A use no gradient
+    (``conv_general_dilated``, its features grouped or not): from each use's input and output
+    gradient (ghost clipping), the cross terms of a parameter used more than once (tied
+    embeddings, a kernel applied twice) included; nested ``jit``, ``checkpoint`` and
+    ``lax.scan`` (stacked layers, weights shared across steps) are seen through. A parameter
+    used by any other operation (a bias, a scale, ``sin(w)``, a ``cond``...) has its
+    per-example gradient materialised, that leaf only: the backward pass gives it, each
+    example having its own copy of that leaf. A use no gradient
     flows back through (``lax.stop_gradient``, a comparison, ``has_aux``'s outputs) is none:
     a frozen table costs nothing per example. The clipped sum
     comes from the same inputs and output gradients, each example's weighted by its factor

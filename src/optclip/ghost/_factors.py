@@ -230,14 +230,18 @@ def dense_dims(eqn, pos: int):
     return a_batch, a_free, a_contract, out_a, out_v
 
 
-def conv_factors(record, grad, eqn, acc):
-    """The factors of a convolution by the kernel (outside scans: records laid out ``(B,
-    ...)``): each output position's input patch (`x`, ``lax.conv_general_dilated_patches``)
-    and output gradient (`y`)."""
+def conv_factors(record, grad, eqn, acc, sliced=()):
+    """The factors of a convolution by the kernel: each output position's input patch (`x`,
+    ``lax.conv_general_dilated_patches``: features ordered input feature first, then the
+    window) and output gradient (`y`), a head per feature group (its input features' patches,
+    its output features). `record` and `grad` are laid out ``(*levels, B, ...)`` (one level per
+    enclosing scan), `sliced` as for `dense_factors`."""
     p = eqn.params
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     kernel = eqn.invars[1].aval.shape
     window = tuple(kernel[d] for d in rhs_spec[2:])
+    groups = p["feature_group_count"]
+    lead = len(sliced) + 1  # (the levels and the examples)
 
     def patches(lhs):  # one example: (N, C * prod(window), *out spatial)
         return lax.conv_general_dilated_patches(
@@ -250,13 +254,16 @@ def conv_factors(record, grad, eqn, acc):
             precision=HIGHEST,
         )
 
-    x = jax.vmap(patches)(record.astype(acc))
-    x = jnp.moveaxis(x, 2, -1)  # (B, N, *spatial, features)
-    y = jnp.transpose(grad, (0, *(1 + d for d in out_spec)))
-    y = jnp.moveaxis(y, 2, -1)  # (B, N, *spatial, out features)
+    x = jax.vmap(patches)(record.astype(acc).reshape(-1, *record.shape[lead:]))
+    x = jnp.moveaxis(x, 2, -1)  # (levels x B, N, *spatial, features)
+    y = jnp.transpose(grad, (*range(lead), *(lead + d for d in out_spec)))
+    y = jnp.moveaxis(y, lead + 1, -1)  # (*levels, B, N, *spatial, out features)
     precision = product_precision(p["precision"])
-    x = factor(x.reshape(1, x.shape[0], 1, -1, x.shape[-1]), acc, precision)
-    return x, factor(y.reshape(1, y.shape[0], 1, -1, y.shape[-1]), acc, precision)
+    at = ((1,), (0,), (2,))  # (rows, heads, features: the heads are the groups)
+    x = x.reshape(*record.shape[:lead], -1, groups, x.shape[-1] // groups)
+    y = y.reshape(*grad.shape[:lead], -1, groups, y.shape[-1] // groups)
+    x = factor(arrange(x, sliced, at), acc, precision)
+    return x, factor(arrange(y, sliced, at), acc, precision)
 
 
 def embed_factors(indices, grad, eqn, found, acc):

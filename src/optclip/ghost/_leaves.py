@@ -59,9 +59,6 @@ def _leaf_plan(uses) -> LeafPlan:
         )
         return LeafPlan("unused", [], [], why)
     others = [site for site, _, _ in uses if site.kind == "fallback"]
-    if not others and len(uses) > 1 and any(site.kind == "conv" for site, _, _ in uses):
-        why = "a convolution kernel used more than once (no closed cross term written)"
-        return LeafPlan("materialised", uses, [], why)
     if others:
         return LeafPlan("materialised", uses, [], others[0].reason)
     groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
@@ -117,12 +114,12 @@ def _factors_of(site, pos, records, grads, acc):
     """A dense, convolution or embed use's factors ``(x, y)``."""
     record = _interpret.site_records(site, records)[0]
     grad = grads[site.id][0]
-    if site.kind == "dense":
+    if site.kind in ("dense", "conv"):
         _, levels, _ = site.views[0][1].leaf_dims()
         sliced = tuple(level is not None for level in levels)
+        if site.kind == "conv":
+            return _factors.conv_factors(record, grad, site.eqn, acc, sliced)
         return _factors.dense_factors(record, grad, site.eqn, pos, acc, sliced)
-    if site.kind == "conv":
-        return _factors.conv_factors(record, grad, site.eqn, acc)
     found = _trace.lookup(site.eqn, pos)
     assert found is not None  # (an embed site is a lookup of rows)
     return _factors.embed_factors(record, grad, site.eqn, found, acc)

@@ -8,7 +8,9 @@ operands batched, the parameter views not; over the layers of the scans it is in
 respect to the views, each example's terms weighted by its factor: the batch is contracted
 inside the VJP, then carried back to the leaf through the view's chain. For a dense layer that
 VJP is written out as one matrix product ``A^T (w G)`` over the batch's rows, as in ordinary
-backpropagation (`_dense_view_sum`: JAX's own VJP transposes its product). A dense layer or a
+backpropagation (`_products.dense_view_sum`: JAX's own VJP transposes its product), and for a
+convolution as JAX's transposed convolution for the kernel, laid out as XLA's CPU runtime
+convolves fastest (`_products.conv_view_sum`). A dense layer or a
 convolution is bilinear, so the factor goes on whichever of its input and output gradient is
 smaller (``(w A)^T G``, no copy of the larger). The materialised leaves' sums are their
 per-example gradients contracted with the factors (`_per_example._sums`).
@@ -31,14 +33,12 @@ the factors shared in any case off a CPU, over the whole batch, with no `cond`.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optclip import _per_example
-from optclip.ghost import _factors, _interpret, _leaves
+from optclip.ghost import _factors, _interpret, _leaves, _products
 
 
 def _at(v, x, axis: int):
@@ -163,88 +163,29 @@ def site_sum(site, leaves, records, grads, w, keep=None, spmd_axis_name=None, si
         cotangent = [_times(g, (w,), depth) for g in cotangent]
     if site.kind == "dense":
         (pos, _), (value,) = site.views[0], values
-        cotangents = [_dense_view_sum(site.eqn, pos, value, record[0], cotangent[0], depth)]
-        return _leaves.pull_back(site, leaves, cotangents)
-    f = jax.vmap(
-        _leaves.equation(site),
-        in_axes=(0, *([None] * len(values))),
-        axis_size=w.shape[0],  # (a site may record nothing)
-        spmd_axis_name=spmd_axis_name,
-    )
-    for length in reversed(site.stack):  # the layers of the scans, outermost first
-        f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
-    _, pull = jax.vjp(lambda *views: f(record, *views), *values)
-    return _leaves.pull_back(site, leaves, pull(cotangent))
+        product = _products.dense_view_sum(site.eqn, pos, value, record[0], cotangent[0], depth)
+        return _leaves.pull_back(site, leaves, [product])
 
+    def by_vjp():
+        f = jax.vmap(
+            _leaves.equation(site),
+            in_axes=(0, *([None] * len(values))),
+            axis_size=w.shape[0],  # (a site may record nothing)
+            spmd_axis_name=spmd_axis_name,
+        )
+        for length in reversed(site.stack):  # the layers of the scans, outermost first
+            f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
+        _, pull = jax.vjp(lambda *views: f(record, *views), *values)
+        return _leaves.pull_back(site, leaves, pull(cotangent))
 
-def _dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
-    """The cotangent of a `dot_general`'s view (operand `pos`, `value` its stacked view) from
-    the batch's other operand `record` and output gradient `cotangent` (both laid out
-    ``(*levels, B, ...)``): one `dot_general` contracting the examples and the other operand's
-    free dimensions (merged into one where they are adjacent, as ``(B*T, C)``), its output
-    in the view's order where the view is the right operand (``x @ W``: no transpose). The
-    VJP of the batched equation gives the same numbers, but puts the output gradient first
-    and transposes the product after it, which XLA on the CPU ran 1.24x slower on the MLP's
-    first layer (``benchmarks/private_parts.py --products``). A float16 or bfloat16 view's
-    product comes out in float32 (`pull_back` adds its layers there)."""
-    o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
-    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
-    v_free = [d for d in range(value.ndim - depth) if d not in (*v_contract, *v_batch)]
-    levels = list(range(depth))
-    at = lambda dims: [depth + 1 + d for d in dims]  # noqa: E731
-    r_sum, c_sum = [depth, *at(o_free)], [depth, *at(out_o)]
-    r_batch, c_batch = levels + at(o_batch), levels + at(range(len(o_batch)))
-    if _adjacent(r_sum) and _adjacent(c_sum):
-        record, r_sum, r_batch = _merged(record, r_sum, r_batch)
-        cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
-    # the product's dimensions as the view's: levels, heads, contracted (in the record's
-    # order), the view's free ones
-    order = [*v_batch, *(v_contract[list(o_contract).index(d)] for d in sorted(o_contract))]
-    order += v_free
-    sharding = jax.typeof(value).sharding
-    if sharding.mesh.empty or jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
-        out_sharding = None  # (automatic sharding: XLA's to choose, with or without a mesh set)
-    else:
-        spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
-        out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))
-    work = _per_example._work_dtype(value.dtype)
-    product = functools.partial(
-        lax.dot_general,
-        dimension_numbers=((r_sum, c_sum), (r_batch, c_batch)),
-        precision=eqn.params["precision"],
-        preferred_element_type=work
-        if work != value.dtype
-        else eqn.params["preferred_element_type"],
-        out_sharding=out_sharding,
-    )
-    if jnp.dtype(jnp.bfloat16) in (record.dtype, cotangent.dtype):
-        # XLA's CPU runtime has no bfloat16 product with a float32 result in some layouts
-        # (seen with a weight on the left, and with one of several output features, as
-        # attention's heads: "Unsupported element type for DotThunk::Execute: BF16 x BF16 =
-        # F32"); where it has one, it converts both operands to float32 first. So a CPU gets
-        # the operands in float32 (the same numbers).
-        upcast = lambda a, b: product(a.astype(work), b.astype(work))  # noqa: E731
-        out = lax.platform_dependent(record, cotangent, cpu=upcast, default=product)
-    else:
-        out = product(record, cotangent)
-    perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
-    if perm != tuple(range(value.ndim)):
-        out = jnp.transpose(out, perm)
-    return out.astype(work)
+    if site.kind != "conv":
+        return by_vjp()
 
+    def written():  # (on a CPU: `_products`)
+        product = _products.conv_view_sum(site.eqn, values[0], record[0], cotangent[0], depth)
+        return _leaves.pull_back(site, leaves, [product])
 
-def _adjacent(dims: list) -> bool:
-    return dims == list(range(dims[0], dims[0] + len(dims)))
-
-
-def _merged(x, summed: list, batch: list):
-    """`x` with its `summed` dimensions (`_adjacent`) merged into one (XLA on the CPU
-    contracts ``(B*T, C)`` faster than ``(B, T, C)`` over ``B, T``), and the dimension numbers
-    after it."""
-    n, start = len(summed), summed[0]
-    x = x.reshape(*x.shape[:start], -1, *x.shape[start + n :])
-    return x, [start], [d if d < start else d - n + 1 for d in batch]
+    return lax.platform_dependent(cpu=written, default=by_vjp)
 
 
 def _ghost_sums(t, w, keep=None, spmd_axis_name=None, sides=None):

@@ -223,15 +223,21 @@ def _dense(site_id: int, eqn, used) -> Site:
 
 
 def _conv(site_id: int, eqn, used) -> Site:
-    """A convolution by a kernel view: ghost from the input's patches (its norm does not
-    depend on how the kernel's elements are ordered, so any plain view will do; a second use
-    of the leaf has no closed cross term written, so the layout is the site's own)."""
+    """A convolution by a kernel view (a plain view: dtype conversions, transposes, a scan's
+    slices, single indices): ghost from the input's patches. Its layout names the leaf's
+    dimensions of the kernel's input features and window (the patches' features, in their
+    order) and of its output features, and the feature groups (the heads: each group's
+    patches times its outputs), so that two convolutions by one kernel laid out alike have
+    their cross terms."""
     pos, view = used[0]
-    plain = view.leaf_dims() is not None and not view.depth
-    groups = eqn.params["feature_group_count"], eqn.params["batch_group_count"]
-    if len(used) != 1 or pos != 1 or not plain or groups != (1, 1):
-        return _fallback(site_id, eqn, used, "other than by one kernel, ungrouped, outside scans")
-    layout = ((), ("conv", site_id), (), ())
+    mapped = view.leaf_dims() if len(used) == 1 and pos == 1 else None
+    if mapped is None or eqn.params["batch_group_count"] != 1:
+        why = "other than by one plain view of a kernel (a reshape, or `batch_group_count`)"
+        return _fallback(site_id, eqn, used, why)
+    dims, levels, pins = mapped
+    rhs = eqn.params["dimension_numbers"].rhs_spec
+    heads = (*(d for d in levels if d is not None), ("groups", eqn.params["feature_group_count"]))
+    layout = (heads, tuple(dims[d] for d in rhs[1:]), (dims[rhs[0]],), pins)
     return Site(site_id, eqn, used, "conv", "convolution: ghost norm from patches", layout)
 
 
