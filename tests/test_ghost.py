@@ -446,8 +446,9 @@ def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.parametrize("name", ["conv_shared", "conv"])
 @pytest.mark.parametrize("way", ["cpu", "gpu"])
-def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, monkeypatch):
+def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monkeypatch):
     """The kernels' clipped sums: on a CPU written out as one convolution laid out as XLA's
     CPU runtime convolves fastest (`_products.conv_view_sum`: JAX's VJP of the batched
     convolution, in the sums' `cond` branch, ran 25x slower there), elsewhere JAX's VJP (the
@@ -457,17 +458,16 @@ def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, monkeypatc
     dropped non-finite example (the sums' other path, one example after another)."""
     if way == "gpu":
         gm.take_gpu_branches(monkeypatch)
-    for build in (gm.conv_shared, gm.conv):
-        loss, params, x = build(np.random.default_rng(21))
-        check_against_reference(loss, params, x, 0.5)
-        huge = lambda p, x, loss=loss: loss(p, x) * 1e22  # noqa: E731
-        check_against_reference(huge, params, x, 0.5)
-        bad = x.at[1].set(np.nan)
-        step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
-        grads, aux = jax.jit(step)(params, bad)
-        assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
-        _, sums = gm.reference(loss, params, x[np.array([0, 2])], 0.5)
-        assert_tree_close(grads, sums)
+    loss, params, x = MODELS[name](np.random.default_rng(21))
+    check_against_reference(loss, params, x, 0.5)
+    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
+    check_against_reference(huge, params, x, 0.5)
+    bad = x.at[1].set(np.nan)
+    step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
+    grads, aux = jax.jit(step)(params, bad)
+    assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
+    _, sums = gm.reference(loss, params, x[np.array([0, 2])], 0.5)
+    assert_tree_close(grads, sums)
 
 
 @pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "conv_shared"])
