@@ -446,6 +446,47 @@ def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
             np.testing.assert_allclose(a, b, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_convolution_without_a_closed_form_says_why_and_is_exact(mode):
+    """A convolution whose parameter is not a plain view of its kernel is materialised, each
+    case with its own reason in `ghost_report` (one reason once said "a reshape, or
+    `batch_group_count`" for all three), and its numbers match float64."""
+    rng = np.random.default_rng(31)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def conv(h, k):
+        return lax.conv_general_dilated(h, k, (1, 1), "SAME", dimension_numbers=dn)
+
+    x = jnp.asarray(rng.normal(size=(3, 1, 4, 4, 2)), jnp.float32)
+    params = {
+        "image": jnp.asarray(rng.normal(size=(1, 4, 4, 2)) * 0.5, jnp.float32),
+        "flat": jnp.asarray(rng.normal(size=(36,)) * 0.3, jnp.float32),
+        "batched": jnp.asarray(rng.normal(size=(3, 3, 2, 2)) * 0.3, jnp.float32),
+    }
+
+    def loss(p, x):
+        k = jnp.tanh(x[0, 0, :3, :3, :1, None])  # (a kernel made from the data)
+        a = conv(p["image"], jnp.broadcast_to(k, (3, 3, 2, 2)))  # the parameter as input
+        b = conv(x[0], p["flat"].reshape(3, 3, 2, 2))  # a reshaped kernel
+        c = lax.conv_general_dilated(  # a kernel's gradient form: the batch split in groups
+            jnp.concatenate([x[0], x[0] * 0.5]),
+            p["batched"],
+            (1, 1),
+            "SAME",
+            dimension_numbers=dn,
+            batch_group_count=2,
+        )
+        return jnp.sum(jnp.sin(a)) + jnp.sum(jnp.sin(b)) + jnp.sum(jnp.cos(c))
+
+    report = optclip.ghost_report(loss, params, x)
+    reasons = {k: r.reason for k, r in report.items()}
+    assert {r.mode for r in report.values()} == {"materialised"}, report
+    assert "of a parameter as its input (not its kernel)" in reasons["['image']"]
+    assert "by a reshaped, broadcast or sliced kernel" in reasons["['flat']"]
+    assert "with `batch_group_count` (no closed form written)" in reasons["['batched']"]
+    check_against_reference(loss, params, x, 0.5, mode=mode)
+
+
 @pytest.mark.parametrize("name", ["conv_shared", "conv"])
 @pytest.mark.parametrize("way", ["cpu", "gpu"])
 def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monkeypatch):

@@ -230,10 +230,13 @@ def _conv(site_id: int, eqn, used) -> Site:
     patches times its outputs), so that two convolutions by one kernel laid out alike have
     their cross terms."""
     pos, view = used[0]
-    mapped = view.leaf_dims() if len(used) == 1 and pos == 1 else None
-    if mapped is None or eqn.params["batch_group_count"] != 1:
-        why = "other than by one plain view of a kernel (a reshape, or `batch_group_count`)"
-        return _fallback(site_id, eqn, used, why)
+    if len(used) != 1 or pos != 1:
+        return _fallback(site_id, eqn, used, "of a parameter as its input (not its kernel)")
+    if eqn.params["batch_group_count"] != 1:
+        return _fallback(site_id, eqn, used, "with `batch_group_count` (no closed form written)")
+    mapped = view.leaf_dims()
+    if mapped is None:
+        return _fallback(site_id, eqn, used, "by a reshaped, broadcast or sliced kernel")
     dims, levels, pins = mapped
     rhs = eqn.params["dimension_numbers"].rhs_spec
     heads = (*(d for d in levels if d is not None), ("groups", eqn.params["feature_group_count"]))
