@@ -320,7 +320,12 @@ def self_term(x: Factor, y: Factor, acc):
         if k * (c + f) > c * f:
             precision = higher(x.precision, y.precision)
             g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=precision)
-            return jnp.sum(jnp.square(lax.optimization_barrier(g)), axis=(2, 3, 4))
+            # (no `optimization_barrier` before the squares: with one, XLA 0.10.2 on a CPU
+            # computed wrong sums of squares of one example's product, nondeterministically:
+            # a 1x1 convolution of 64 features over an 8x8 image was 1.1e-3 off, a
+            # depthwise-separable network 0.28-1.99 off; without it, exact, and 1.08x slower
+            # on the benchmark's convnet at 16)
+            return jnp.sum(jnp.square(g), axis=(2, 3, 4))
     return pair_term(x, y, x, y, acc)
 
 
