@@ -493,12 +493,17 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, monkey
     each of whose norms is its per-example product's squares, `_factors.self_term`) with the
     norms taken one example at a time, as a CPU takes them for images of real sizes
     (`_leaves.LOOP_WORK`, forced here): against float64, and the same in a second call. With an
-    `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave norms 0.28 off for
-    the second example here, 1.1e-3 off for one example through the 1x1 kernel alone, and
-    other values in another process."""
-    from optclip.ghost import _leaves
+    `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave norms 0.23 off here
+    for a batch of one and 0.40 for two, 1.1e-3 off for one example through the 1x1 kernel
+    alone, and other values in another process. Its four convolutions' clipped sums go one
+    after another on a CPU (`_sums._in_turn`)."""
+    from optclip.ghost import _leaves, _sums
 
     monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
+    turns = []
+    in_turn = _sums._in_turn
+    spy = lambda sites, *rest: turns.append(len(sites)) or in_turn(sites, *rest)  # noqa: E731
+    monkeypatch.setattr(_sums, "_in_turn", spy)
     rng = np.random.default_rng(37)
     dn = ("NHWC", "HWIO", "NHWC")
 
@@ -525,6 +530,7 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, monkey
     first = check_against_reference(loss, params, x, 1.0)
     again = check_against_reference(loss, params, x, 1.0)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
+    assert turns and set(turns) == {4}, turns
 
 
 @pytest.mark.parametrize("name", ["conv_shared", "conv"])
