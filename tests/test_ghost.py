@@ -487,16 +487,17 @@ def test_a_convolution_without_a_closed_form_says_why_and_is_exact(mode):
     check_against_reference(loss, params, x, 0.5, mode=mode)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("examples", [1, 2])
-def test_convolutions_norms_one_example_at_a_time_match_float64(examples, monkeypatch):
+def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, monkeypatch):
     """Depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of 64 features,
     each of whose norms is its per-example product's squares, `_factors.self_term`) with the
     norms taken one example at a time, as a CPU takes them for images of real sizes
-    (`_leaves.LOOP_WORK`, forced here): against float64, and the same in a second call. With an
-    `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave norms 0.23 off here
-    for a batch of one and 0.40 for two, 1.1e-3 off for one example through the 1x1 kernel
-    alone, and other values in another process. Its four convolutions' clipped sums go one
-    after another on a CPU (`_sums._in_turn`)."""
+    (`_leaves.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
+    second call. With an `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave
+    norms 0.23 off here for a batch of one and 0.40 for two (jitted; eager, too), 1.1e-3 off
+    for one example through the 1x1 kernel alone, and other values in another process. Its
+    four convolutions' clipped sums go one after another on a CPU (`_sums._in_turn`)."""
     from optclip.ghost import _leaves, _sums
 
     monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
@@ -527,8 +528,8 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, monkey
     x = jnp.asarray(rng.normal(size=(examples, 8, 8, 64)), jnp.float32)
     report = optclip.ghost_report(loss, params, x)
     assert {r.mode for r in report.values()} == {"ghost"}, report
-    first = check_against_reference(loss, params, x, 1.0)
-    again = check_against_reference(loss, params, x, 1.0)
+    first = check_against_reference(loss, params, x, 1.0, mode=mode)
+    again = check_against_reference(loss, params, x, 1.0, mode=mode)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
     assert turns and set(turns) == {4}, turns
 
