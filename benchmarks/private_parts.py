@@ -4,9 +4,11 @@
         [--variants ghost 'reductions checked' ...]
     python benchmarks/private_parts.py --grams [--batches 256]
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
+    python benchmarks/private_parts.py --convnet [--batches 16 64] [--pairs 15]
     python benchmarks/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --flops [--mlp] [--batches 16 256]
-    python benchmarks/private_parts.py --memory [--mlp] [--gpu-branches] [--batches 16 64 256]
+    python benchmarks/private_parts.py --memory [--mlp | --convnet] [--gpu-branches]
+        [--batches 16 64 256]
         [--dtype bfloat16]
     python benchmarks/private_parts.py --kernels [--mlp] [--batches 256] [--top 30]
 
@@ -46,15 +48,26 @@ side by side in one process (interleaved medians, ratios to the non-private step
 * ``sides unchecked``: the plain clipped sums whatever the magnitudes of their weighted sides,
   as before issue 20's eleventh part (`_sums.unsafe`: a batch in which an example's factor
   would take one side of a product out of its normal range is now summed with the factor
-  shared by both sides, `_sums.balanced`): what the check costs.
+  shared by both sides, `_sums.balanced`): what the check costs;
+* ``convolutions' output gradients unpinned``: the convolution sites' output gradients left to
+  XLA's layout assignment on a CPU, as before issue 20's thirtieth part (`_passes.row_major`
+  now pins those with a unit axis, as it pins the records: the `cond`s' branches held copies
+  of them laid out otherwise). On a model without convolutions, the same step as ``ghost``;
+* ``convolutions' norms together``: each example's convolved leaves' norms in one program
+  on a CPU, as before the thirtieth part (`_leaves._terms`' ``in_turn``: they now go one
+  after another, each kernel's patches formed in its own branch). On a model with fewer than
+  two convolved leaves, the same step as ``ghost``.
 
 The parts are swapped in by replacing functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
-`_interpret._pinned`, `_leaves.reductions_only`) while each step is traced; each variant's
+`_interpret._pinned`, `_leaves.reductions_only`, `_passes.row_major`, `_leaves._terms`) while
+each step is traced; each variant's
 norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
+``--convnet`` on its depthwise-separable network (``private.py --only convnet``; at batches 16
+and 64 by default).
 
 ``--products`` times the MLP's first layer's clipped sum ``A^T (w G)`` (records ``(B, 1,
 784)``, output gradients ``(B, 1, 512)``) three ways: the non-private step's ``A^T G``, JAX's
@@ -113,7 +126,7 @@ import _timing  # noqa: E402
 import private  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip.ghost import _factors, _interpret, _leaves, _products, _sums  # noqa: E402
+from optclip.ghost import _factors, _interpret, _leaves, _passes, _products, _sums  # noqa: E402
 
 CLIP = 1.0
 HIGHEST = lax.Precision.HIGHEST
@@ -145,6 +158,18 @@ def _sums_without_cond(t, w, keep, finite, sides, spmd_axis_name=None):
     return _sums.rounded(t, _sums.with_materialised(t, w, keep, sums, False))
 
 
+_ROW_MAJOR, _TERMS = _passes.row_major, _leaves._terms
+
+
+def _records_pinned_only(tree):
+    """`_passes.row_major` on the records alone (the output gradients: a tuple per site)."""
+    return tree if tree and all(type(v) is tuple for v in tree.values()) else _ROW_MAJOR(tree)
+
+
+def _convolved_together(t, scaled, in_turn=False):
+    return _TERMS(t, scaled)
+
+
 VARIANTS = {
     "ghost": {},
     "norms at 1": {"leaf_norm_terms": _norms_at_one},
@@ -156,6 +181,8 @@ VARIANTS = {
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "reductions checked": {"reductions_only": lambda t: False},
     "sides unchecked": {"unsafe": lambda t, sides, w, kept: jnp.zeros_like(kept)},
+    "convolutions' output gradients unpinned": {"row_major": _records_pinned_only},
+    "convolutions' norms together": {"_terms": _convolved_together},
 }
 
 
@@ -169,6 +196,8 @@ def swapped(names: dict):
         "_pinned": _interpret,
         "reductions_only": _leaves,
         "unsafe": _sums,
+        "row_major": _passes,
+        "_terms": _leaves,
     }
     saved = {name: getattr(modules[name], name) for name in names}
     try:
@@ -393,6 +422,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--grams", action="store_true", help="the output layer's Gram, 3 ways")
     parser.add_argument("--mlp", action="store_true", help="the MLP in place of the transformer")
     parser.add_argument(
+        "--convnet", action="store_true", help="the convnet in place of the transformer"
+    )
+    parser.add_argument(
         "--products", action="store_true", help="the MLP's first clipped-sum product, 3 ways"
     )
     parser.add_argument(
@@ -440,10 +472,12 @@ def main(argv=None) -> list[dict]:
         parser.error(
             "--gpu-branches builds the ghost steps: not with --kernels, --grams or --products"
         )
-    if args.grams and args.mlp:
-        parser.error("--grams times the transformer's output layer: not with --mlp")
-    if args.products and (args.grams or args.mlp):
-        parser.error("--products times the MLP's first layer: not with --grams or --mlp")
+    if args.grams and (args.mlp or args.convnet):
+        parser.error("--grams times the transformer's output layer: not with --mlp or --convnet")
+    if args.products and (args.grams or args.mlp or args.convnet):
+        parser.error("--products times the MLP's first layer: not with --grams, --mlp or --convnet")
+    if args.mlp and args.convnet:
+        parser.error("--mlp and --convnet each replace the transformer: one of them")
     pairs = args.pairs or (2 if args.quick else 3)
     if args.quick:
         shape, batches = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2), (8,)
@@ -460,6 +494,11 @@ def main(argv=None) -> list[dict]:
         loss, params = models.mlp_loss, models.mlp_params(mlp)
         make_batch = functools.partial(models.mlp_batch, mlp)
         batches = tuple(args.batches) if args.batches else (256,)
+    if args.convnet:
+        conv = models.ConvShape()
+        loss, params = models.convnet_loss, models.convnet_params(conv)
+        make_batch = functools.partial(models.convnet_batch, conv)
+        batches = tuple(args.batches) if args.batches else (16, 64)
     params = models.cast(params, args.dtype)
     make_batch = _cast_batches(make_batch, args.dtype)
     print(

@@ -240,6 +240,8 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "Grams at HIGHEST",
         "reductions checked",
         "sides unchecked",
+        "convolutions' output gradients unpinned",
+        "convolutions' norms together",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
@@ -256,8 +258,21 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         ("ghost", 8),
         ("reductions checked", 8),
     ]
+    rows = run_private(
+        tmp_path,
+        *("--convnet", "--memory", "--batches", "2"),
+        *("--variants", "ghost", "convolutions' output gradients unpinned"),
+        script="private_parts.py",
+    )
+    assert [(r["variant"], r["batch"]) for r in rows] == [
+        ("jax.grad (non-private)", 2),
+        ("ghost", 2),
+        ("convolutions' output gradients unpinned", 2),
+    ]
+    assert all(r["peak_bytes"] > 0 for r in rows)
     refused("--variants", "norms", why="argument --variants: invalid choice: 'norms'")
     refused("--mlp", "--grams", why="--grams times the transformer's output layer")
+    refused("--mlp", "--convnet", why="--mlp and --convnet each replace the transformer")
     rows = run_private(
         tmp_path, "--quick", "--products", "--batches", "8", script="private_parts.py"
     )
@@ -293,6 +308,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "check without cond"]
     variants += ["sums without cond", "output gradients unpinned", "Grams at HIGHEST"]
     variants += ["reductions checked", "sides unchecked"]
+    variants += ["convolutions' output gradients unpinned", "convolutions' norms together"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0")}
@@ -335,6 +351,41 @@ def test_the_unpinned_variant_leaves_the_output_gradients_layout_to_xla():
             text = step.trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
         found[name] = text.count("@LayoutConstraint(")
     assert found == {"ghost": 1, "output gradients unpinned": 0}
+
+
+def test_the_convolution_variants_undo_what_they_name(monkeypatch):
+    """private_parts.py's ``convolutions' output gradients unpinned`` drops the row-major
+    layout constraints on a CPU from the convolutions' output gradients (the records keep
+    theirs), and ``convolutions' norms together`` takes each example's convolved leaves'
+    norms without `_leaves.in_turn_over` (the clipped sums still go in turn)."""
+    from optclip.ghost import _leaves
+
+    parts = load("private_parts.py")
+    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)  # (the norms one example at a time)
+
+    def conv(h, k):
+        return lax.conv_general_dilated(h, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+
+    loss = lambda p, x: jnp.sum(jnp.sin(conv(jnp.tanh(conv(x, p[0])), p[1])))  # noqa: E731
+    p, x = (jnp.ones((3, 2, 2)) / 4, jnp.ones((3, 2, 2)) / 4), jnp.ones((2, 5, 2))
+    found, turns = {}, []
+    spy = lambda items, *rest, f=_leaves.in_turn_over: turns.append(len(items)) or f(items, *rest)  # noqa: E731
+    monkeypatch.setattr(_leaves, "in_turn_over", spy)
+    for name in (
+        "ghost",
+        "convolutions' output gradients unpinned",
+        "convolutions' norms together",
+    ):
+        turns.clear()
+        with parts.swapped(parts.VARIANTS[name]):
+            step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+            text = step.trace(p, x).lower(lowering_platforms=("cpu",)).as_text()
+        found[name] = (text.count("@LayoutConstraint("), len(turns))
+    pinned, loops = found["ghost"]
+    assert loops > 1 and pinned > 2, found  # (the norms' loops and the sums')
+    assert found["convolutions' output gradients unpinned"] == (pinned - 2, loops), found
+    assert found["convolutions' norms together"][0] == pinned, found
+    assert 1 <= found["convolutions' norms together"][1] < loops, found
 
 
 def test_matrix_products_are_counted_as_often_as_they_run():

@@ -487,25 +487,9 @@ def test_a_convolution_without_a_closed_form_says_why_and_is_exact(mode):
     check_against_reference(loss, params, x, 0.5, mode=mode)
 
 
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-@pytest.mark.parametrize("examples", [1, 2])
-def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, monkeypatch):
-    """Depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of 64 features,
-    each of whose norms is its per-example product's squares, `_factors.self_term`) with the
-    norms taken one example at a time, as a CPU takes them for images of real sizes
-    (`_leaves.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
-    second call. With an `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave
-    norms 0.23 off here for a batch of one and 0.40 for two (jitted; eager, too), 1.1e-3 off
-    for one example through the 1x1 kernel alone, and other values in another process. Its
-    four convolutions' clipped sums go one after another on a CPU (`_sums._in_turn`)."""
-    from optclip.ghost import _leaves, _sums
-
-    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
-    turns = []
-    in_turn = _sums._in_turn
-    spy = lambda sites, *rest: turns.append(len(sites)) or in_turn(sites, *rest)  # noqa: E731
-    monkeypatch.setattr(_sums, "_in_turn", spy)
-    rng = np.random.default_rng(37)
+def separable(rng, examples, size=8, features=64):
+    """Two depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of
+    `features` features, residual) on `examples` images of ``size x size``."""
     dn = ("NHWC", "HWIO", "NHWC")
 
     def conv(h, k, groups=1):
@@ -515,23 +499,87 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
 
     params = {}
     for i in range(2):
-        params[f"depthwise{i}"] = jnp.asarray(rng.normal(size=(3, 3, 1, 64)) / 3, jnp.float32)
-        params[f"pointwise{i}"] = jnp.asarray(rng.normal(size=(1, 1, 64, 64)) / 8, jnp.float32)
+        depthwise = rng.normal(size=(3, 3, 1, features)) / 3
+        params[f"depthwise{i}"] = jnp.asarray(depthwise, jnp.float32)
+        pointwise = rng.normal(size=(1, 1, features, features)) / np.sqrt(features)
+        params[f"pointwise{i}"] = jnp.asarray(pointwise, jnp.float32)
 
     def loss(p, x):
         h = x
         for i in range(2):
-            mixed = jax.nn.relu(conv(h, p[f"depthwise{i}"], groups=64))
+            mixed = jax.nn.relu(conv(h, p[f"depthwise{i}"], groups=features))
             h = h + conv(mixed, p[f"pointwise{i}"])
         return jnp.sum(jnp.sin(h))
 
-    x = jnp.asarray(rng.normal(size=(examples, 8, 8, 64)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(examples, size, size, features)), jnp.float32)
+    return loss, params, x
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+@pytest.mark.parametrize("examples", [1, 2])
+def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, monkeypatch):
+    """Depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of 64 features,
+    each of whose norms is its per-example product's squares, `_factors.self_term`) with the
+    norms taken one example at a time, as a CPU takes them for images of real sizes
+    (`_leaves.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
+    second call. With an `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave
+    norms 0.23 off here for a batch of one and 0.40 for two (jitted; eager, too), 1.1e-3 off
+    for one example through the 1x1 kernel alone, and other values in another process. On a
+    CPU each example's four kernels' norms, and the four convolutions' clipped sums
+    (`_sums._in_turn`), go one after another (`_leaves.in_turn_over`)."""
+    from optclip.ghost import _leaves, _sums
+
+    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
+    turns, sums = [], []  # (every loop's items; the clipped sums' loops')
+    in_turn_over, in_turn = _leaves.in_turn_over, _sums._in_turn
+    spy = lambda items, *rest: turns.append(len(items)) or in_turn_over(items, *rest)  # noqa: E731
+    monkeypatch.setattr(_leaves, "in_turn_over", spy)
+    spy_sums = lambda sites, *rest: sums.append(len(sites)) or in_turn(sites, *rest)  # noqa: E731
+    monkeypatch.setattr(_sums, "_in_turn", spy_sums)
+    loss, params, x = separable(np.random.default_rng(37), examples)
     report = optclip.ghost_report(loss, params, x)
     assert {r.mode for r in report.values()} == {"ghost"}, report
     first = check_against_reference(loss, params, x, 1.0, mode=mode)
     again = check_against_reference(loss, params, x, 1.0, mode=mode)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
-    assert turns and set(turns) == {4}, turns
+    assert sums and set(sums) == {4}, sums
+    assert len(turns) > len(sums) and set(turns) == {4}, turns  # (the norms' loops too)
+
+
+def test_output_gradients_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):
+    """Each example's image is ``(1, 16, 16, 64)``: its convolutions' output gradients are
+    ``(2, 1, 16, 16, 64)`` for two examples. XLA's CPU layout assignment put their examples'
+    axis inside the unit one, where the norms' and the clipped sums' `cond`s asked for them
+    in place: each branch held a copy of every one (the benchmark's convnet at 64: 1.38x the
+    non-private step's memory, 1.15x pinned). `_passes.row_major` pins them, and the records,
+    to the row-major layout: no branch copies an operand of that shape (a copy fusion of a
+    `get-tuple-element`: twelve without the pin), the step holds less, and the values are the
+    float64 reference's."""
+    import re
+
+    from optclip.ghost import _passes
+
+    loss, params, x = separable(np.random.default_rng(38), 2, size=16)
+    shape = r"f32\[2,1,16,16,64\]\{[0-9,]+\}"
+    other = re.compile(rf"= {shape} (fusion|copy)\(%get-tuple-element[.0-9]*\)")
+
+    def compiled():
+        g = optclip.clipped_grad(loss, l2_clip_norm=1.0)  # (traced anew)
+        return jax.jit(g).lower(params, x).compile()
+
+    step = compiled()
+    assert not [line for line in step.as_text().splitlines() if other.search(line)]
+    for mode in ("jit", "eager"):
+        check_against_reference(loss, params, x, 1.0, mode=mode)
+    pin = _passes.row_major
+
+    def records_only(tree):  # (the output gradients: a tuple per site)
+        return tree if all(type(v) is tuple for v in tree.values()) else pin(tree)
+
+    monkeypatch.setattr(_passes, "row_major", records_only)
+    unpinned = compiled()
+    assert [line for line in unpinned.as_text().splitlines() if other.search(line)]
+    assert step.memory_analysis().temp_size_in_bytes < unpinned.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("name", ["conv_shared", "conv"])
@@ -2436,7 +2484,8 @@ def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
     at each tapped site row-major (the scanned layer's ``(B, 1, T, d)`` per layer, the head's
     ``(B, 1, T)``), where XLA laid the scanned one out for the bias's per-example sum and
     transposed the layer's residuals to match. Lowered for a CPU (row-major already), it
-    holds only the records with a unit axis (`_passes.row_major`), with or without it."""
+    holds only the records with a unit axis (`_passes.row_major`, which also holds a
+    convolution's output gradients: there are none here), with or without it."""
     from optclip.ghost import _interpret
 
     loss, params, x = gm.scanned(np.random.default_rng(23), remat=remat)

@@ -220,17 +220,15 @@ def _ghost_sums(t, w, keep=None, spmd_axis_name=None, sides=None):
 
 
 def _in_turn(sites, added, total):
-    """`total` with each of `sites`' sums added (`added(site, total)`), one site after another:
-    a loop over the sites (`lax.switch`). XLA's CPU scheduler, which orders for concurrency,
-    otherwise starts every convolution's layout copies (its record and output gradient
-    transposed, `_products.conv_view_sum`) before the first convolution: on the benchmark's
-    convnet, twelve copies of 16 MiB held at once at the peak, 2.14x the non-private step's
-    memory at batch 64 and 16, against 1.38x and 1.55x so, in the same time. The dense sites
-    are left outside the loop: with them in it, the MLP's step at 256 took 1.76x the
-    non-private step's memory (1.14x without) and 1.21x its time (1.07x)."""
-    branches = [lambda carried, site=site: added(site, carried) for site in sites]
-    step = lambda i, carried: lax.switch(i, branches, carried)  # noqa: E731
-    return lax.fori_loop(0, len(sites), step, total)
+    """`total` with each of `sites`' sums added (`added(site, total)`), one site after another
+    (`_leaves.in_turn_over`). XLA's CPU scheduler otherwise starts every convolution's layout
+    copies (its record and output gradient transposed, `_products.conv_view_sum`) before the
+    first convolution: on the benchmark's convnet, twelve copies of 16 MiB held at once at the
+    peak, 2.14x the non-private step's memory at batch 64 and 16, against 1.38x and 1.55x so,
+    in the same time. The dense sites are left outside the loop: with them in it, the MLP's
+    step at 256 took 1.76x the non-private step's memory (1.14x without) and 1.21x its time
+    (1.07x)."""
+    return _leaves.in_turn_over(sites, added, total)
 
 
 def _one_by_one(t, w, keep, sides):
