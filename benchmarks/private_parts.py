@@ -50,9 +50,10 @@ side by side in one process (interleaved medians, ratios to the non-private step
   would take one side of a product out of its normal range is now summed with the factor
   shared by both sides, `_sums.balanced`): what the check costs;
 * ``convolutions' output gradients unpinned``: the convolution sites' output gradients left to
-  XLA's layout assignment on a CPU, as before issue 20's thirtieth part (`_passes.row_major`
-  now pins those with a unit axis, as it pins the records: the `cond`s' branches held copies
-  of them laid out otherwise). On a model without convolutions, the same step as ``ghost``;
+  XLA's layout assignment on a CPU, as before issue 20's thirtieth part
+  (`_passes.convolutions_row_major` now pins those with a unit axis, as the records are: the
+  `cond`s' branches held copies of them laid out otherwise). On a model without
+  convolutions, the same step as ``ghost``;
 * ``convolutions' norms together``: each example's convolved leaves' norms in one program
   on a CPU, as before the thirtieth part (`_leaves._terms`' ``in_turn``: they now go one
   after another, each kernel's patches formed in its own branch). On a model with fewer than
@@ -60,9 +61,9 @@ side by side in one process (interleaved medians, ratios to the non-private step
 
 The parts are swapped in by replacing functions of the ghost engine
 (`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
-`_interpret._pinned`, `_leaves.reductions_only`, `_passes.row_major`, `_leaves._terms`) while
-each step is traced; each variant's
-norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
+`_interpret._pinned`, `_leaves.reductions_only`, `_passes.convolutions_row_major`,
+`_leaves._terms`) while each step is traced; each variant's norms are checked to be what it
+says (1 for ``norms at 1``). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -158,12 +159,7 @@ def _sums_without_cond(t, w, keep, finite, sides, spmd_axis_name=None):
     return _sums.rounded(t, _sums.with_materialised(t, w, keep, sums, False))
 
 
-_ROW_MAJOR, _TERMS = _passes.row_major, _leaves._terms
-
-
-def _records_pinned_only(tree):
-    """`_passes.row_major` on the records alone (the output gradients: a tuple per site)."""
-    return tree if tree and all(type(v) is tuple for v in tree.values()) else _ROW_MAJOR(tree)
+_TERMS = _leaves._terms
 
 
 def _convolved_together(t, scaled, in_turn=False):
@@ -181,7 +177,7 @@ VARIANTS = {
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "reductions checked": {"reductions_only": lambda t: False},
     "sides unchecked": {"unsafe": lambda t, sides, w, kept: jnp.zeros_like(kept)},
-    "convolutions' output gradients unpinned": {"row_major": _records_pinned_only},
+    "convolutions' output gradients unpinned": {"convolutions_row_major": lambda g, sites: g},
     "convolutions' norms together": {"_terms": _convolved_together},
 }
 
@@ -196,7 +192,7 @@ def swapped(names: dict):
         "_pinned": _interpret,
         "reductions_only": _leaves,
         "unsafe": _sums,
-        "row_major": _passes,
+        "convolutions_row_major": _passes,
         "_terms": _leaves,
     }
     saved = {name: getattr(modules[name], name) for name in names}

@@ -551,10 +551,10 @@ def test_output_gradients_with_a_unit_axis_are_not_copied_where_they_are_read(mo
     ``(2, 1, 16, 16, 64)`` for two examples. XLA's CPU layout assignment put their examples'
     axis inside the unit one, where the norms' and the clipped sums' `cond`s asked for them
     in place: each branch held a copy of every one (the benchmark's convnet at 64: 1.38x the
-    non-private step's memory, 1.15x pinned). `_passes.row_major` pins them, and the records,
-    to the row-major layout: no branch copies an operand of that shape (a copy fusion of a
-    `get-tuple-element`: twelve without the pin), the step holds less, and the values are the
-    float64 reference's."""
+    non-private step's memory, 1.15x pinned). `_passes.convolutions_row_major` pins them to
+    the row-major layout, as the records are: no branch copies an operand of that shape (a
+    copy fusion of a `get-tuple-element`: six without the pin), the step holds less, and the
+    values are the float64 reference's."""
     import re
 
     from optclip.ghost import _passes
@@ -571,12 +571,7 @@ def test_output_gradients_with_a_unit_axis_are_not_copied_where_they_are_read(mo
     assert not [line for line in step.as_text().splitlines() if other.search(line)]
     for mode in ("jit", "eager"):
         check_against_reference(loss, params, x, 1.0, mode=mode)
-    pin = _passes.row_major
-
-    def records_only(tree):  # (the output gradients: a tuple per site)
-        return tree if all(type(v) is tuple for v in tree.values()) else pin(tree)
-
-    monkeypatch.setattr(_passes, "row_major", records_only)
+    monkeypatch.setattr(_passes, "convolutions_row_major", lambda grads, sites: grads)
     unpinned = compiled()
     assert [line for line in unpinned.as_text().splitlines() if other.search(line)]
     assert step.memory_analysis().temp_size_in_bytes < unpinned.memory_analysis().temp_size_in_bytes
@@ -2491,8 +2486,8 @@ def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
     at each tapped site row-major (the scanned layer's ``(B, 1, T, d)`` per layer, the head's
     ``(B, 1, T)``), where XLA laid the scanned one out for the bias's per-example sum and
     transposed the layer's residuals to match. Lowered for a CPU (row-major already), it
-    holds only the records with a unit axis (`_passes.row_major`, which also holds a
-    convolution's output gradients: there are none here), with or without it."""
+    holds only the records with a unit axis (`_passes.row_major`; and a convolution's output
+    gradients, `convolutions_row_major`: there are none here), with or without it."""
     from optclip.ghost import _interpret
 
     loss, params, x = gm.scanned(np.random.default_rng(23), remat=remat)

@@ -202,26 +202,20 @@ def tapped_pass(one, flat: Flat, s: Settings) -> _interpret.Tapped:
     t = _interpret.Tapped(losses, aux, records, grads, example_grads, plans, leaves, axes)
     if _sums.without_cond(t):  # (nothing asks the records for another layout)
         return t
-    convs = {i: g for i, g in grads.items() if sites[i].kind == "conv"}  # (`row_major`)
-    return dataclasses.replace(t, records=row_major(records), grads={**grads, **row_major(convs)})
+    grads = convolutions_row_major(grads, sites)
+    return dataclasses.replace(t, records=row_major(records), grads=grads)
 
 
 def row_major(tree):
-    """`tree` (the records, or the convolution sites' output gradients), its arrays with an
-    axis of length 1 pinned to the row-major layout on a CPU, for a step with `cond`s (not
-    `_sums.without_cond`).
+    """`tree` (the records, or output gradients), its arrays with an axis of length 1 pinned to
+    the row-major layout on a CPU, for a step with `cond`s (not `_sums.without_cond`).
 
     Where an axis has length 1, layouts that place it differently are the same bytes, and XLA's
     CPU layout assignment may give an array one of them (the batch's input ``(B, 1, 784)`` got
-    its unit axis outermost; a convolution's output gradient ``(B, 1, H, W, C)`` its examples'
-    axis inside the unit one) while the products inside the `cond`s that read it (the norms',
+    its unit axis outermost) while the products inside the `cond`s that read it (the norms',
     the clipped sums') ask for another: each branch then holds a copy of it, at the step's peak
-    (the MLP at batch 256: 1.24x the non-private step's memory, 1.14x with its records pinned;
-    the benchmark's convnet at 64: 1.38x, 1.15x with its convolutions' output gradients pinned
-    too). No other output gradient was found copied (the MLP's, the transformer's), and
-    pinning one makes XLA write it out where it had fused its producer into its readers (the
-    MLP at 16: ten more fusions, about 4% more time), so only the convolutions' are. Arrays
-    without a unit axis are left to XLA (pinning one could force a transpose)."""
+    (the MLP at batch 256: 1.24x the non-private step's memory, 1.14x with its records pinned).
+    Arrays without a unit axis are left to XLA (pinning one could force a transpose)."""
     leaves, structure = jax.tree.flatten(tree)
     loose = {k: x for k, x in enumerate(leaves) if x.ndim > 1 and 1 in x.shape}
     if not loose:
@@ -232,6 +226,18 @@ def row_major(tree):
 
     loose = lax.platform_dependent(cpu=pinned, default=lambda: loose)
     return jax.tree.unflatten(structure, [loose.get(k, x) for k, x in enumerate(leaves)])
+
+
+def convolutions_row_major(grads: dict, sites: dict) -> dict:
+    """The output gradients `grads` (``{site id: tuple}``), the convolution sites' pinned as
+    the records are (`row_major`): XLA's CPU layout assignment gave a convolution's ``(B, 1, H,
+    W, C)`` output gradient its examples' axis inside the unit one, and the `cond`s' branches
+    each copied it (the benchmark's convnet at 64: 1.38x the non-private step's memory, 1.15x
+    pinned). No other output gradient was found copied (the MLP's, the transformer's), and
+    pinning one makes XLA write it out where it had fused its producer into its readers (the
+    MLP at 16: ten more fusions, 1.03-1.04x the time), so only the convolutions' are."""
+    convs = {i: g for i, g in grads.items() if sites[i].kind == "conv"}
+    return {**grads, **row_major(convs)}
 
 
 def ghost_pass(one, args, kwargs, padding, s: Settings):
