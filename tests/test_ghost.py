@@ -546,6 +546,37 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     assert len(turns) > len(sums) and set(turns) == {4}, turns  # (the norms' loops too)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, monkeypatch):
+    """Each example's convolved leaves' norms taken one after another (`_leaves.in_turn_over`;
+    the norms one example at a time forced) on what the batched norms handle: a padding
+    example contributes nothing, a zero example has norm 0 and no NaN, a NaN example is
+    dropped with its norm NaN, and gradients whose squares overflow float32 (the scaled path,
+    which takes the examples one at a time on every platform): against float64, jitted and
+    eager."""
+    from optclip.ghost import _leaves
+
+    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
+    turns = []
+    in_turn_over = _leaves.in_turn_over
+    spy = lambda items, *rest: turns.append(len(items)) or in_turn_over(items, *rest)  # noqa: E731
+    monkeypatch.setattr(_leaves, "in_turn_over", spy)
+    loss, params, x = separable(np.random.default_rng(39), 4, size=4, features=8)
+    x = x.at[2].set(0.0)
+    padding = np.array([False, True, False, False])
+    _, aux = check_against_reference(loss, params, x, 1.0, mode=mode, is_padding_example=padding)
+    assert aux.grad_norms[2] == 0.0 and set(turns) == {4}, (aux.grad_norms, turns)
+    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
+    check_against_reference(huge, params, x, 1.0, mode=mode)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    grads, aux = run(g, mode)(params, x.at[3, 0, 0, 0].set(np.nan))
+    norms = np.asarray(aux.grad_norms)
+    assert np.isnan(norms[3]) and np.isfinite(norms[:3]).all(), norms
+    kept_norms, kept_sums = gm.reference(loss, params, x[:3], 1.0)
+    np.testing.assert_allclose(norms[:3], kept_norms, rtol=RTOL)
+    assert_tree_close(grads, kept_sums)
+
+
 def test_output_gradients_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):
     """Each example's image is ``(1, 16, 16, 64)``: its convolutions' output gradients are
     ``(2, 1, 16, 16, 64)`` for two examples. XLA's CPU layout assignment put their examples'
@@ -1984,7 +2015,9 @@ GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]
         (n, v, "jit")
         for n in GRADIENT_MODELS
         for v in GRADIENT_VARIANTS
-        if n in ("mlp", "scanned") or v in ("clipped", "a zero example")
+        if n in ("mlp", "scanned")
+        or v in ("clipped", "a zero example")
+        or (n, v) == ("conv", "looped")  # (each example's convolved leaves in turn)
     ]
     + [("mlp", "a zero example", "eager")],
 )

@@ -349,7 +349,8 @@ def _unscaled(t):
 
 def _by_example(t, scaled: bool):
     """`_terms` one example after another (`lax.map`; slices of one example, see
-    `Tapped.one_by_one`), each example's convolved leaves in turn."""
+    `Tapped.one_by_one`), each example's convolved leaves in turn: on a CPU for the unscaled
+    norms (`_unscaled`), on every platform for the scaled ones (`_scaled`)."""
 
     def one(b):
         terms, safe, sides = _terms(t.example(b), scaled=scaled, in_turn=True)
