@@ -245,6 +245,44 @@ def test_scan_equals_python_loop_and_state_keeps_its_structure():
     assert int(scan_state.skip_count) == 1 and int(scan_state.step) == 4
 
 
+BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"  # (jax's event, one a program)
+
+
+def test_eager_accumulation_compiles_once():
+    """Eager micro-batches run the accumulation's `cond` compiled by the first window: after
+    it, windows with new values (a loss scale that grows, an overflow, another loss) compile
+    nothing. (Branches made anew each call, closing over its values, were traced and the whole
+    step compiled again at every micro-batch.)"""
+    opt = optclip.guarded(
+        optax.adam(0.1),
+        clip=optclip.global_clip(1.0),
+        loss_scale=optclip.DynamicLossScale(**RULE),
+        skip_spikes=optclip.SpikeSkip(window=4, min_history=2),
+        accumulation_steps=2,
+    )
+    state = opt.init(PARAMS)
+    compiles: list[str] = []
+
+    def count(event, duration, **kwargs):
+        if event == BACKEND_COMPILE:
+            compiles.append(event)
+
+    per_call = []
+    jax.monitoring.register_event_duration_secs_listener(count)
+    try:
+        for i, g in enumerate(micro_batches(8)):
+            before = len(compiles)
+            scaled = planted(g, float(optclip.loss_scale(state)), "inf" if i == 5 else None)
+            _, state = opt.update(scaled, state, PARAMS, value=jnp.float32(1.0 + i))
+            per_call.append(len(compiles) - before)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(count)
+    assert per_call[0] > 0, per_call  # (the listener sees the first call's compiles)
+    assert per_call[2:] == [0] * 6, per_call  # windows 2 to 4: nothing compiled
+    assert int(state.step) == 4 and int(state.skip_count) == 1  # window 3 overflowed
+    assert float(optclip.loss_scale(state)) == RULE["init_scale"]  # grew in window 2, halved in 3
+
+
 def test_flax_nnx_optimizer_accumulates():
     model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
     opt = optclip.guarded(

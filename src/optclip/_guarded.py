@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from optclip import (
@@ -193,6 +194,7 @@ def guarded(
         axis_name=axis_name,
         window=_accumulate.check(accumulation_steps),
     )
+    branches = None if guards.window is None else _branches(guards)
 
     def init_fn(params):
         dtype = _steps.state_dtype(params)
@@ -214,7 +216,7 @@ def guarded(
         loss = _check_loss(extra_args.get("value"))
         if guards.window is None:
             return _step(guards, updates, updates, loss, state, params, extra_args)
-        return _accumulated_step(guards, updates, loss, state, params, extra_args)
+        return _accumulated_step(guards, branches, updates, loss, state, params, extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -272,26 +274,54 @@ def _step(guards: _Guards, grads, like, loss, state, params, extra_args):
     )
 
 
-def _accumulated_step(guards: _Guards, updates, loss, state, params, extra_args):
+# What can be an operand of the accumulation's `cond`: arrays (other values are closed over)
+_OPERANDS = (jax.Array, np.ndarray, np.generic)
+
+
+def _accumulated_step(guards: _Guards, branches, updates, loss, state, params, extra_args):
     """A micro-batch: added to the window's sums; on the window's last one, the step on their
     mean (the loss's too), and the sums restarted. Every other micro-batch returns zero updates
-    and leaves the rest of the state as it was."""
+    and leaves the rest of the state as it was.
+
+    `branches` are the ``cond``'s two (`_branches`), made once by :func:`guarded`, and the
+    call's values are their operands, not closed over: JAX keeps what it traced by the function
+    and its operands' types, so an eager call runs the ``cond`` compiled by the first call with
+    the same types. Branches made in each call would be new functions: traced, and the whole
+    step compiled, anew at every eager micro-batch. Extra arguments of ``update`` that are not
+    arrays cannot be operands: with them the branches are made for the call (and compiled)."""
     sums = _accumulate.add(state.accumulation, updates, loss)
+    args = extra_args
+    if loss is not None:  # (`value=`: the branches pass on the window's mean loss instead)
+        args = {name: x for name, x in extra_args.items() if name != "value"}
+    if not all(isinstance(x, _OPERANDS) for x in jax.tree.leaves(args)):
+        branches, args = _branches(guards, fixed_args=args), None
+    emit, hold = branches
+    pred = sums.micro_step == guards.window
+    return jax.lax.cond(pred, emit, hold, sums, updates, loss, state, params, args)
+
+
+def _branches(guards: _Guards, fixed_args=None):
+    """The accumulation ``cond``'s branches ``(emit, hold)``: the step on the window's mean,
+    and holding (zero updates). Both take ``(sums, updates, loss, state, params, args)``, with
+    `args` the extra arguments of ``update`` but ``value=``; with `fixed_args` given (extra
+    arguments that are not arrays), they use it instead."""
     k = guards.window
 
-    def emit(sums):
-        mean_loss, args = None, extra_args
+    def emit(sums, updates, loss, state, params, args):
+        if fixed_args is not None:
+            args = fixed_args
+        mean_loss = None
         if loss is not None:
             mean_loss = sums.loss_sum / k
-            args = {**extra_args, "value": mean_loss}
+            args = {**args, "value": mean_loss}
         new_updates, new_state = _step(guards, sums.grads, updates, mean_loss, state, params, args)
         return new_updates, new_state._replace(accumulation=_accumulate.restart(sums))
 
-    def hold(sums):
-        shapes = jax.eval_shape(lambda s: emit(s)[0], sums)
+    def hold(sums, updates, loss, state, params, args):
+        shapes = jax.eval_shape(emit, sums, updates, loss, state, params, args)[0]
         return _zeros(shapes, updates), state._replace(accumulation=sums)
 
-    return jax.lax.cond(sums.micro_step == k, emit, hold, sums)
+    return emit, hold
 
 
 def _zeros(shapes, grads):
