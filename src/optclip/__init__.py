@@ -26,9 +26,9 @@ from optclip._functional import global_norm as global_norm
 from optclip._groups import GroupNorms as GroupNorms
 from optclip._guarded import GuardedState as GuardedState
 from optclip._guarded import guarded as guarded
-from optclip._guarded import loss_scale as loss_scale
 from optclip._loss_scale import DynamicLossScale as DynamicLossScale
 from optclip._loss_scale import LossScaleState as LossScaleState
+from optclip._loss_scale import loss_scale as loss_scale
 from optclip._metrics import metrics as metrics
 from optclip._nonfinite import NonFiniteNormError as NonFiniteNormError
 from optclip._per_example import per_example_clip as per_example_clip

@@ -13,7 +13,6 @@ import optax
 from optclip import (
     _accumulate,
     _checks,
-    _groups,
     _loss_scale,
     _nonfinite,
     _norms,
@@ -338,69 +337,3 @@ def _zeros(shapes, grads):
         return jax.tree.map(zeros, shapes, grads)
     except (ValueError, TypeError):  # (another structure than the gradients')
         return jax.tree.map(zeros, shapes)
-
-
-def _plain(x):
-    """The array in a Flax NNX Variable, or `x` itself."""
-    if not _groups.is_variable(x):
-        return x
-    getter = getattr(x, "get_value", None)
-    return getter() if callable(getter) else x.value
-
-
-def _is_scaler(x) -> bool:
-    return isinstance(x, LossScaleState)
-
-
-def _scalers(opt_state) -> list:
-    """The dynamic loss scales' states in `opt_state`; raises for one inside ``MultiSteps``."""
-    is_node = lambda x: isinstance(x, (LossScaleState, optax.MultiStepsState))  # noqa: E731
-    found = []
-    for node in jax.tree.leaves(opt_state, is_leaf=is_node):
-        if _is_scaler(node):
-            found.append(node)
-        elif isinstance(node, optax.MultiStepsState) and any(
-            _is_scaler(x) for x in jax.tree.leaves(node.inner_opt_state, is_leaf=_is_scaler)
-        ):
-            raise ValueError(
-                "`opt_state` holds a dynamic loss scale inside `optax.MultiSteps`, which cannot "
-                "recover from an overflow: MultiSteps restarts its gradient sum as "
-                "`(1 - emit) * sum`, and 0 * inf is NaN, so every later step overflows and the "
-                "scale halves to its floor. Accumulate inside the guard instead: "
-                "`optclip.guarded(optimizer, clip=..., loss_scale=..., accumulation_steps=k)`."
-            )
-    return found
-
-
-def loss_scale(opt_state) -> jax.Array:
-    """The current loss scale in an optimizer state: multiply the loss by it.
-
-    Finds the state of :func:`guarded`'s dynamic loss scale anywhere in `opt_state`: on its own,
-    in ``optax.chain``, ``optax.inject_hyperparams``, or a Flax NNX ``nnx.Optimizer``'s
-    ``opt_state``. Inside or outside ``jit``; nothing is synced to the host.
-
-    Args:
-      opt_state: an optimizer state (any pytree) holding exactly one dynamic loss scale.
-
-    Returns:
-      A 0-d float32 array.
-
-    Raises:
-      ValueError: `opt_state` holds no dynamic loss scale, or more than one, or holds it inside
-        ``optax.MultiSteps`` (a nesting that cannot recover from an overflow: use
-        :func:`guarded`'s ``accumulation_steps``).
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, optclip
-      >>> opt = optclip.guarded(optax.adam(1e-3), loss_scale=optclip.DynamicLossScale(2.**15))
-      >>> print(optclip.loss_scale(opt.init(jnp.zeros(3))))
-      32768.0
-    """
-    found = _scalers(opt_state)
-    if len(found) != 1:
-        what = "no dynamic loss scale" if not found else f"{len(found)} dynamic loss scales"
-        raise ValueError(
-            f"`opt_state` holds {what}; `loss_scale` reads the one of an optimizer built with "
-            "`optclip.guarded(..., loss_scale=optclip.DynamicLossScale())`."
-        )
-    return jnp.asarray(_plain(found[0].loss_scale))
