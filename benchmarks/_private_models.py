@@ -5,6 +5,9 @@
   ``lax.scan`` (as ``nn.scan``, ``nnx.scan`` and MaxText lay them out), a token embedding, a
   learned position embedding, a final LayerNorm and an output projection; the loss of one
   example is its mean next-token cross-entropy.
+* ``unrolled_transformer``: the same decoder with its blocks a Python list, each block's
+  weights a tree of its own, applied one after another (unrolled: the program grows with the
+  depth, as a model written with a ``for`` loop over its layers does).
 * ``mlp``: a ReLU MLP on flat inputs with a softmax cross-entropy.
 * ``convnet``: a depthwise-separable convolutional network (MobileNet's blocks): a 3x3 stem,
   ``blocks`` residual blocks of a depthwise 3x3 convolution (a group per channel) and a
@@ -78,19 +81,55 @@ def _block(x, p, heads: int):
     return x + h @ p["down"]["kernel"] + p["down"]["bias"]
 
 
-def transformer_loss(params, tokens, heads: int = 4):
-    """Mean next-token cross-entropy of `tokens` (batch, seq + 1) of ints."""
+def _decoder_loss(params, tokens, blocks):
+    """Mean next-token cross-entropy of `tokens` (batch, seq + 1) of ints, the embedded inputs
+    passed through ``blocks(x)``."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     x = params["embed"][inputs] + params["position"][: inputs.shape[1]]
-    x, _ = jax.lax.scan(lambda x, p: (_block(x, p, heads), None), x, params["blocks"])
-    logits = _layer_norm(x, params["ln_f"]) @ params["head"]
+    logits = _layer_norm(blocks(x), params["ln_f"]) @ params["head"]
     logp = jax.nn.log_softmax(logits, axis=-1)
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def transformer_loss(params, tokens, heads: int = 4):
+    """Mean next-token cross-entropy of `tokens` (batch, seq + 1) of ints."""
+
+    def blocks(x):
+        return jax.lax.scan(lambda x, p: (_block(x, p, heads), None), x, params["blocks"])[0]
+
+    return _decoder_loss(params, tokens, blocks)
 
 
 def transformer_batch(shape: TransformerShape, batch: int, seed: int = 1):
     rng = np.random.default_rng(seed)
     return jnp.asarray(rng.integers(0, shape.vocab, (batch, shape.seq + 1)), jnp.int32)
+
+
+def unrolled_transformer_params(
+    blocks: int, d: int = 64, seq: int = 12, vocab: int = 512, heads: int = 4, seed: int = 0
+) -> dict:
+    """The parameters of `transformer_params` (the same values) with ``"blocks"`` a list of
+    `blocks` trees, one a block."""
+    shape = TransformerShape(d=d, seq=seq, vocab=vocab, blocks=blocks, heads=heads)
+    params = transformer_params(shape, seed)
+    stacked = params["blocks"]
+    params["blocks"] = [jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(blocks)]
+    return params
+
+
+def unrolled_transformer_loss(params, tokens, heads: int = 4):
+    """`transformer_loss` with the blocks applied by a Python loop (the same function)."""
+
+    def blocks(x):
+        for p in params["blocks"]:
+            x = _block(x, p, heads)
+        return x
+
+    return _decoder_loss(params, tokens, blocks)
+
+
+def unrolled_transformer_batch(batch: int, seq: int = 12, vocab: int = 512, seed: int = 1):
+    return transformer_batch(TransformerShape(seq=seq, vocab=vocab), batch, seed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Where the ghost step's time goes: the step with one of its parts taken out.
 
     python benchmarks/private_parts.py [--quick] [--batches 128 256] [--pairs 3] [--json out]
-        [--variants ghost 'reductions checked' ...]
+        [--variants ghost 'norms batched' ...]
     python benchmarks/private_parts.py --grams [--batches 256]
     python benchmarks/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/private_parts.py --convnet [--batches 16 64] [--pairs 15]
@@ -20,50 +20,27 @@ side by side in one process (interleaved medians, ratios to the non-private step
   less its norms;
 * ``sums of 0``: the clipped sums replaced by zeros (no book-keeping products): the step less
   its clipped sums, the tapped pass and the norms left;
-* ``batched, unchecked``: the norms as one batched product on the factors as they are,
-  without the check that this is exact (`_factors.safe`) and its `cond` (on a CPU the engine
-  runs a loop over the examples where their Grams are large, `_leaves.LOOP_WORK`: this is the
-  batched way less its check);
-* ``check without cond``: the norms computed and checked as in ``ghost``, but the check only
-  turns a norm it finds inexact into NaN (`jnp.where`) where ``ghost`` takes a `lax.cond` to
-  the scaled way: what the `cond` costs beside the check's reductions;
-* ``sums without cond``: the clipped sums without their `cond`s (the ghost sites' and the
-  materialised leaves', each a second way for a dropped example of non-finite gradient);
+* ``Grams only``: every ghost leaf's norm by its Grams (`force_ghost_route("grams")`), never
+  by its direct product;
+* ``direct products``: every ghost leaf of one use by its direct product
+  (`force_ghost_route("direct")`);
+* ``norms one example at a time``: the norms in a loop over the examples on a CPU whatever
+  the size of their Grams (`_norms.LOOP_WORK` of 0);
+* ``norms batched``: the norms over the whole batch at once on every platform;
 * ``output gradients unpinned``: the output gradients at the tapped sites left to XLA's
-  layout assignment, as before issue 20's ninth part (they are now held row-major on a GPU,
-  `_interpret._pinned`: on a GPU, a scanned layer's gradients were otherwise laid out for
-  its bias's per-example sum, and its residuals transposed to match). On a CPU, the same step
-  as ``ghost``;
-* ``Grams at HIGHEST``: the step with its Grams at HIGHEST precision, as before issue 20's
-  seventh part (they now follow their products' precision, `_factors.product_precision`:
-  at JAX's default on a GPU, TF32). On a CPU, where float32 products are float32 at every
-  precision, the same step as ``ghost``;
-* ``reductions checked``: where every norm is a reduction (the MLP: its materialised biases,
-  its dense layers applied to one row per example), the norms checked like Grams under the
-  norms' `cond`, and the dropped examples' zeroing of the sums under its `cond` on every
-  platform, as before issue 20's tenth part (`_leaves.reductions_only`: such norms are now
-  divided by their magnitudes in any case, unchecked, and off a CPU the sums zeroed in any
-  case: no `cond`). On the transformer, whose Grams keep both `cond`s, the same step as
-  ``ghost``;
-* ``sides unchecked``: the plain clipped sums whatever the magnitudes of their weighted sides,
-  as before issue 20's eleventh part (`_sums.unsafe`: a batch in which an example's factor
-  would take one side of a product out of its normal range is now summed with the factor
-  shared by both sides, `_sums.balanced`): what the check costs;
-* ``convolutions' output gradients unpinned``: the convolution sites' output gradients left to
-  XLA's layout assignment on a CPU, as before issue 20's thirtieth part
-  (`_passes.convolutions_row_major` now pins those with a unit axis, as the records are: the
-  `cond`s' branches held copies of them laid out otherwise). On a model without
-  convolutions, the same step as ``ghost``;
-* ``convolutions' norms together``: each example's convolved leaves' norms in one program
-  on a CPU, as before the thirtieth part (`_leaves._terms`' ``in_turn``: they now go one
-  after another, each kernel's patches formed in its own branch). On a model with fewer than
+  layout assignment (`_interpret.in_row_major` as the identity: on a GPU a scanned layer's
+  gradients were otherwise laid out for its bias's per-example sum);
+* ``Grams at HIGHEST``: the Grams at HIGHEST precision, where they otherwise follow their
+  products' (`_factors.product_precision`: at JAX's default on a GPU, TF32). On a CPU, where
+  float32 products are float32 at every precision, the same step as ``ghost``;
+* ``convolutions' sums together``: the convolutions' clipped sums in one program on a CPU,
+  where they otherwise go one after another (`_sums.in_turn`). On a model with fewer than
   two convolved leaves, the same step as ``ghost``.
 
-The parts are swapped in by replacing functions of the ghost engine
-(`_leaves.leaf_norm_terms`, `_sums.clipped_sums`, `_factors.product_precision`,
-`_interpret._pinned`, `_leaves.reductions_only`, `_passes.convolutions_row_major`,
-`_leaves._terms`) while each step is traced; each variant's norms are checked to be what it
-says (1 for ``norms at 1``). A diagnostic, not a contract.
+The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
+`_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
+`_factors.product_precision`, `_sums.in_turn`) while each step is traced; each variant's
+norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -72,22 +49,20 @@ and 64 by default).
 
 ``--products`` times the MLP's first layer's clipped sum ``A^T (w G)`` (records ``(B, 1,
 784)``, output gradients ``(B, 1, 512)``) three ways: the non-private step's ``A^T G``, JAX's
-VJP of the batched equation (what the engine did before issue 20's fifth part: it transposes
-its product) and the engine's written-out product (`_products.dense_view_sum`).
+VJP of the batched equation (it transposes its product) and the engine's written-out product
+(`_products.dense_view_sum`).
 
 ``--flops`` counts, in place of timing, each step's matrix products' floating-point operations
 (2 per multiply-add of every `dot_general` in its jaxpr: a scan's body as many times as it
 runs, a `cond`'s cheapest branch, calls and rematerialised blocks walked into; elementwise
-work not counted): the arithmetic each variant must do, whatever the machine. The engine's
-`cond`s choose between the same products on two platforms, or skip the rare recomputation of
-the norms from rescaled factors (`_factors.safe`): their cheapest branch is the one that runs.
+work not counted): the arithmetic each variant must do, whatever the machine.
 
 ``--memory``, in place of timing, gives each step's peak memory by XLA's analysis of it
 compiled for this machine (`private.peak_bytes`, as ``benchmarks/private.py`` measures it).
 ``--gpu-branches`` builds the steps (timed, counted or sized) with the engine's
-`lax.platform_dependent` choices made as on a GPU: what a GPU would run (the MLP's `cond`-free
-sums, one reduction per magnitude), compiled for this machine, an estimate of a GPU's step
-where none is lent (its memory is packed by the CPU's scheduler, not the GPU's).
+`lax.platform_dependent` choice made as on a GPU: what a GPU would run, compiled for this
+machine, an estimate of a GPU's step where none is lent (its memory is packed by the CPU's
+scheduler, not the GPU's).
 
 ``--dtype bfloat16`` (or ``float16``) casts the model's parameters and floating-point inputs
 (timed, counted, sized or profiled; not with ``--grams`` or ``--products``): the ghost engine
@@ -113,6 +88,7 @@ import json
 import math
 import pathlib
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -127,82 +103,60 @@ import _timing  # noqa: E402
 import private  # noqa: E402
 
 import optclip  # noqa: E402
-from optclip.ghost import _factors, _interpret, _leaves, _passes, _products, _sums  # noqa: E402
+from optclip import _per_example  # noqa: E402
+from optclip.ghost import _factors, _interpret, _norms, _plans, _products, _sums  # noqa: E402
+from optclip.ghost._target import Target  # noqa: E402
 
 CLIP = 1.0
 HIGHEST = lax.Precision.HIGHEST
 
 
-def _norms_at_one(t):
-    one = jnp.ones_like(t.losses, jnp.float32)
-    zero = jnp.zeros_like(one, jnp.int32)
-    sides = {i: (zero[None], zero[None]) for i in _leaves.ghost_sites(t.plans)}  # (1: plain sums)
-    return [(zero, one / len(t.leaves)) for _ in t.leaves], sides
+def _norms_at_one(plans, t, target):
+    return jnp.ones((t.size,), _norms.accumulation(t))
 
 
-def _sums_of_zero(t, w, keep, finite, sides, spmd_axis_name=None):
-    return [jnp.zeros_like(leaf) for leaf in t.leaves]
+def _sums_of_zero(plans, t, w, keep, target, axis=None):
+    return [jnp.zeros_like(leaf, _per_example._work_dtype(leaf.dtype)) for leaf in t.leaves]
 
 
-def _unchecked(t):
-    terms, _, sides = _leaves._terms(t, scaled=False)
-    return terms, sides
-
-
-def _checked_without_cond(t):
-    terms, safe, sides = _leaves._unscaled(t)
-    return [(e, jnp.where(safe, v, jnp.nan)) for e, v in terms], sides
-
-
-def _sums_without_cond(t, w, keep, finite, sides, spmd_axis_name=None):
-    sums = _sums._ghost_sums(t, w, None, spmd_axis_name)
-    return _sums.rounded(t, _sums.with_materialised(t, w, keep, sums, False))
-
-
-_TERMS = _leaves._terms
-
-
-def _convolved_together(t, scaled, in_turn=False):
-    return _TERMS(t, scaled)
+def _together(items, step, carried):
+    return functools.reduce(lambda c, item: step(item, c), items, carried)
 
 
 VARIANTS = {
     "ghost": {},
-    "norms at 1": {"leaf_norm_terms": _norms_at_one},
-    "sums of 0": {"clipped_sums": _sums_of_zero},
-    "batched, unchecked": {"leaf_norm_terms": _unchecked},
-    "check without cond": {"leaf_norm_terms": _checked_without_cond},
-    "sums without cond": {"clipped_sums": _sums_without_cond},
-    "output gradients unpinned": {"_pinned": lambda g: g},
+    "norms at 1": {"norms": _norms_at_one},
+    "sums of 0": {"clipped": _sums_of_zero},
+    "Grams only": {"forced": lambda: "grams"},
+    "direct products": {"forced": lambda: "direct"},
+    "norms one example at a time": {"LOOP_WORK": 0},
+    "norms batched": {"LOOP_WORK": 2**62},
+    "output gradients unpinned": {"in_row_major": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
-    "reductions checked": {"reductions_only": lambda t: False},
-    "sides unchecked": {"unsafe": lambda t, sides, w, kept: jnp.zeros_like(kept)},
-    "convolutions' output gradients unpinned": {"convolutions_row_major": lambda g, sites: g},
-    "convolutions' norms together": {"_terms": _convolved_together},
+    "convolutions' sums together": {"in_turn": _together},
+}
+_MODULES = {
+    "norms": _norms,
+    "clipped": _sums,
+    "forced": _plans,
+    "LOOP_WORK": _norms,
+    "in_row_major": _interpret,
+    "product_precision": _factors,
+    "in_turn": _sums,
 }
 
 
 @contextlib.contextmanager
 def swapped(names: dict):
-    """The engine with the functions in `names` replaced, for tracing."""
-    modules = {
-        "leaf_norm_terms": _leaves,
-        "clipped_sums": _sums,
-        "product_precision": _factors,
-        "_pinned": _interpret,
-        "reductions_only": _leaves,
-        "unsafe": _sums,
-        "convolutions_row_major": _passes,
-        "_terms": _leaves,
-    }
-    saved = {name: getattr(modules[name], name) for name in names}
+    """The engine with the names in `names` replaced, for tracing."""
+    saved = {name: getattr(_MODULES[name], name) for name in names}
     try:
-        for name, fn in names.items():
-            setattr(modules[name], name, fn)
+        for name, value in names.items():
+            setattr(_MODULES[name], name, value)
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(modules[name], name, fn)
+        for name, value in saved.items():
+            setattr(_MODULES[name], name, value)
 
 
 def _inner_jaxprs(eqn):
@@ -376,6 +330,8 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
     w = jax.random.uniform(key_w, (batch,))
     kernel = jnp.zeros((shape.inputs, shape.hidden))
     eqn = jax.make_jaxpr(lambda x, k: x @ k)(a[0], kernel).jaxpr.eqns[0]
+    site = types.SimpleNamespace(eqn=eqn, views=((1, None),), depth=0)  # (what the sum reads)
+    target = Target(cpu=jax.default_backend() == "cpu")
 
     def plain(a, g, w):  # the non-private step's product (no factors)
         return lax.dot_general(a[:, 0], g[:, 0], (([0], [0]), ([], [])))
@@ -385,7 +341,7 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
         return jax.vjp(lambda k: f(a, k), kernel)[1](g * w[:, None, None])[0]
 
     def written_out(a, g, w):
-        return _products.dense_view_sum(eqn, 1, kernel, a, g * w[:, None, None], 0)
+        return _products.dense_view_sum(site, kernel, a, g * w[:, None, None], target)
 
     ways = {"A^T G (non-private)": plain, "VJP of the batch": vjp, "written out": written_out}
     fns = {name: jax.jit(f).lower(a, g, w).compile() for name, f in ways.items()}

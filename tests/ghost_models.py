@@ -103,6 +103,21 @@ def scanned(rng, dtype=np.float32, layers=3, d=4, t=2, batch=4, remat=False):
     return loss, params, x
 
 
+def unrolled(rng, dtype=np.float32, layers=2, d=4, t=3, batch=4):
+    """`layers` dense layers with biases over a sequence of `t` rows, a Python loop (unrolled,
+    as Flax without `nn.scan`, Equinox lists and Haiku write them)."""
+    params = _init(rng, {f"w{i}": (d, d) for i in range(layers)}, dtype)
+    params.update(_init(rng, {f"b{i}": (d,) for i in range(layers)}, dtype))
+
+    def loss(p, x):
+        for i in range(layers):
+            x = jnp.tanh(x @ p[f"w{i}"] + p[f"b{i}"])
+        return jnp.sum(x**2)
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
 def reference(loss, params, batch, clip, padding=None, argnums=0):
     """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64), their norms and the
     sum of the clipped gradients, as NumPy float64."""

@@ -4,8 +4,7 @@ mesh; under automatic sharding also with no mesh context, the parameters replica
 and with every weight held whole by a sharding constraint) equals the same call on one device,
 on the common path and on the paths taken for gradients whose squares overflow and for a
 dropped non-finite example, with the norms' Grams batched and one example at a time, with
-the output gradients held row-major as on a GPU (`_interpret._pinned`, applied here too), and
-with every parameter scaled by a number the loss computes (a view of each weight), and by one
+every parameter scaled by a number the loss computes (a view of each weight), and by one
 the step traces (an argument of the jitted step, passed to the loss unbatched); and
 convolutions (grouped, a kernel used twice, stacked under a scan).
 Prints ``ok`` and the checks made.
@@ -25,9 +24,9 @@ def main():
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from optclip.ghost import _interpret, _leaves
+    from optclip.ghost import _norms
 
-    loop_work, pinned = _leaves.LOOP_WORK, _interpret._pinned
+    loop_work = _norms.LOOP_WORK
     cases = (
         # (model, mesh axis type): automatic sharding (GSPMD) for models with lookups (a
         # `gather` of a replicated table by split indices needs an explicit output sharding,
@@ -48,7 +47,7 @@ def main():
         # for the MLP, a non-finite example dropped and a padding example (the sums' zeroed
         # path).
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
-        variants = [("", loss, x, None), ("huge", huge, x, None), ("pinned", loss, x, None)]
+        variants = [("", loss, x, None), ("huge", huge, x, None)]
         if name == "conv":  # (the common path only: each variant compiles for 20 s)
             variants = [("", loss, x, None)]
         elif name != "tied":  # every parameter times a number the loss computes (muP's: its
@@ -73,11 +72,10 @@ def main():
             variants.append(("dropped", loss, x.at[3, 0].set(np.inf), padding))
         for variant, f, data, pad in variants:
             label = "/".join(filter(None, (name, axis_type.name, variant)))
-            _leaves.LOOP_WORK = 0 if variant == "looped" else loop_work
-            _interpret._pinned = _interpret.in_row_major if variant == "pinned" else pinned
+            _norms.LOOP_WORK = 0 if variant == "looped" else loop_work
             number = (jax.numpy.float32(-0.75),) if variant == "traced" else ()
             checks += compare(f, params, data, pad, mesh, label, number)
-        _leaves.LOOP_WORK, _interpret._pinned = loop_work, pinned
+        _norms.LOOP_WORK = loop_work
     print("ok", " ".join(checks))
 
 

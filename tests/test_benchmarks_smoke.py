@@ -222,7 +222,7 @@ def test_the_eager_benchmark_times_each_method_in_a_process_of_its_own(tmp_path)
 @pytest.mark.slow
 def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     """benchmarks/private_parts.py --quick: the step as it is, with its norms or its sums taken
-    out, and with its norms batched and unchecked (the script checks each variant's norms),
+    out, and by each route and loop (the script checks each variant's norms),
     next to the non-private step; --grams: the output layer's Gram three ways, the same
     values; --mlp: the same parts on the MLP (not with --grams), two of them by --variants;
     --products: the MLP's first clipped-sum product three ways (the script checks they
@@ -233,15 +233,13 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "ghost",
         "norms at 1",
         "sums of 0",
-        "batched, unchecked",
-        "check without cond",
-        "sums without cond",
+        "Grams only",
+        "direct products",
+        "norms one example at a time",
+        "norms batched",
         "output gradients unpinned",
         "Grams at HIGHEST",
-        "reductions checked",
-        "sides unchecked",
-        "convolutions' output gradients unpinned",
-        "convolutions' norms together",
+        "convolutions' sums together",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="private_parts.py")
@@ -250,24 +248,24 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     rows = run_private(
         tmp_path,
         *("--mlp", "--batches", "8", "--pairs", "1"),
-        *("--variants", "ghost", "reductions checked"),
+        *("--variants", "ghost", "norms one example at a time"),
         script="private_parts.py",
     )
     assert [(r["variant"], r["batch"]) for r in rows] == [
         ("jax.grad (non-private)", 8),
         ("ghost", 8),
-        ("reductions checked", 8),
+        ("norms one example at a time", 8),
     ]
     rows = run_private(
         tmp_path,
         *("--convnet", "--memory", "--batches", "2"),
-        *("--variants", "ghost", "convolutions' output gradients unpinned"),
+        *("--variants", "ghost", "convolutions' sums together"),
         script="private_parts.py",
     )
     assert [(r["variant"], r["batch"]) for r in rows] == [
         ("jax.grad (non-private)", 2),
         ("ghost", 2),
-        ("convolutions' output gradients unpinned", 2),
+        ("convolutions' sums together", 2),
     ]
     assert all(r["peak_bytes"] > 0 for r in rows)
     refused("--variants", "norms", why="argument --variants: invalid choice: 'norms'")
@@ -302,17 +300,18 @@ def test_the_steps_device_time_is_profiled_by_source_line(tmp_path):
 def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     """private_parts.py --flops: each variant's matrix-product operations from its jaxpr. The
     step with its norms taken out does the non-private step's products (the clipped sums are
-    the weight gradients' products, weighted), so the norms are the whole difference."""
+    the weight gradients' products, weighted), so the norms are the whole difference; the
+    Gram route only does other products than the route chosen."""
     rows = run_private(tmp_path, "--quick", "--flops", script="private_parts.py")
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
-    variants = ["ghost", "norms at 1", "sums of 0", "batched, unchecked", "check without cond"]
-    variants += ["sums without cond", "output gradients unpinned", "Grams at HIGHEST"]
-    variants += ["reductions checked", "sides unchecked"]
-    variants += ["convolutions' output gradients unpinned", "convolutions' norms together"]
+    variants = ["ghost", "norms at 1", "sums of 0", "Grams only", "direct products"]
+    variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
+    variants += ["Grams at HIGHEST", "convolutions' sums together"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
-    same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0")}
-    assert len(same) == 1 and ratios["ghost"] > 1.05, ratios  # (the conds' cheapest branches)
+    same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0", "Grams only")}
+    assert len(same) == 1 and ratios["ghost"] > 1.05, ratios
+    assert ratios["Grams only"] != ratios["ghost"], ratios  # (the direct products taken out)
     assert ratios["sums of 0"] < 1.0, ratios
     refused("--flops", "--grams", why="--flops counts the steps' parts")
 
@@ -353,15 +352,12 @@ def test_the_unpinned_variant_leaves_the_output_gradients_layout_to_xla():
     assert found == {"ghost": 1, "output gradients unpinned": 0}
 
 
-def test_the_convolution_variants_undo_what_they_name(monkeypatch):
-    """private_parts.py's ``convolutions' output gradients unpinned`` drops the row-major
-    layout constraints on a CPU from the convolutions' output gradients (the records keep
-    theirs), and ``convolutions' norms together`` takes each example's convolved leaves'
-    norms without `_leaves.in_turn_over` (the clipped sums still go in turn)."""
-    from optclip.ghost import _leaves
+def test_the_convolution_variant_undoes_what_it_names(monkeypatch):
+    """private_parts.py's ``convolutions' sums together`` takes the convolutions' clipped sums
+    without `_sums.in_turn`'s loop on a CPU."""
+    from optclip.ghost import _sums
 
     parts = load("private_parts.py")
-    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)  # (the norms one example at a time)
 
     def conv(h, k):
         return lax.conv_general_dilated(h, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
@@ -369,24 +365,16 @@ def test_the_convolution_variants_undo_what_they_name(monkeypatch):
     loss = lambda p, x: jnp.sum(jnp.sin(conv(jnp.tanh(conv(x, p[0])), p[1])))  # noqa: E731
     p, x = (jnp.ones((3, 2, 2)) / 4, jnp.ones((3, 2, 2)) / 4), jnp.ones((2, 5, 2))
     found, turns = {}, []
-    spy = lambda items, *rest, f=_leaves.in_turn_over: turns.append(len(items)) or f(items, *rest)  # noqa: E731
-    monkeypatch.setattr(_leaves, "in_turn_over", spy)
-    for name in (
-        "ghost",
-        "convolutions' output gradients unpinned",
-        "convolutions' norms together",
-    ):
+    spy = lambda items, *rest, f=_sums.in_turn: turns.append(len(items)) or f(items, *rest)  # noqa: E731
+    monkeypatch.setattr(_sums, "in_turn", spy)
+    for name in ("ghost", "convolutions' sums together"):
         turns.clear()
         with parts.swapped(parts.VARIANTS[name]):
             step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
             text = step.trace(p, x).lower(lowering_platforms=("cpu",)).as_text()
-        found[name] = (text.count("@LayoutConstraint("), len(turns))
-    pinned, loops = found["ghost"]
-    assert loops > 1 and pinned > 2, found  # (the norms' loops and the sums')
-    unpinned = (pinned - 2, loops)  # (the two convolutions' output gradients left to XLA)
-    assert found["convolutions' output gradients unpinned"] == unpinned, found
-    assert found["convolutions' norms together"][0] == pinned, found
-    assert 1 <= found["convolutions' norms together"][1] < loops, found
+        found[name] = (text.count("stablehlo.while"), len(turns))
+    assert found["ghost"][0] == found["convolutions' sums together"][0] + 1, found
+    assert found["ghost"][1] >= 1 and found["convolutions' sums together"][1] == 0, found
 
 
 def test_matrix_products_are_counted_as_often_as_they_run():
@@ -454,36 +442,38 @@ def refused(*args, why: str, script="private_parts.py"):
 
 def test_the_parts_benchmark_gives_the_engine_back():
     """`private_parts.swapped` restores the engine's functions, also when tracing fails."""
-    from optclip.ghost import _leaves, _sums
+    from optclip.ghost import _norms, _sums
 
     parts = load("private_parts.py")
-    before = (_leaves.leaf_norm_terms, _sums.clipped_sums)
+    before = (_norms.norms, _sums.clipped, _norms.LOOP_WORK)
     with pytest.raises(RuntimeError, match="inside"):
-        with parts.swapped({"leaf_norm_terms": None, "clipped_sums": None}):
-            assert _leaves.leaf_norm_terms is None and _sums.clipped_sums is None
+        with parts.swapped({"norms": None, "clipped": None, "LOOP_WORK": 0}):
+            assert _norms.norms is None and _sums.clipped is None and _norms.LOOP_WORK == 0
             raise RuntimeError("inside")
-    assert (_leaves.leaf_norm_terms, _sums.clipped_sums) == before
+    assert (_norms.norms, _sums.clipped, _norms.LOOP_WORK) == before
 
 
 def test_the_parts_benchmark_compiles_the_gpus_branches_here():
-    """`private_parts.gpu_branches`: the benchmark's MLP compiled for this machine takes the
-    engine's GPU branches (no `conditional`: the sums zeroed without one), where on a CPU it
-    otherwise takes the CPU's (one); `lax.platform_dependent` comes back, also when tracing
-    fails."""
+    """`private_parts.gpu_branches`: a step whose engine asks for its platform (the norms one
+    example at a time on a CPU, a loop) compiled for this machine takes the GPU's branch (no
+    loop); `lax.platform_dependent` comes back, also when tracing fails."""
+    from optclip.ghost import _norms
+
     parts = load("private_parts.py")
-    models = load("_private_models.py")
-    shape = models.MLPShape(inputs=16, hidden=32)
-    params, batch = models.mlp_params(shape), models.mlp_batch(shape, 8)
+    loss = lambda w, x: jnp.sum(jnp.sin(x @ w))  # noqa: E731
+    w, x = jnp.ones((3, 4)), jnp.ones((2, 5, 3))
     before = lax.platform_dependent
 
-    def conditionals():
-        step = jax.jit(optclip.clipped_grad(models.mlp_loss, l2_clip_norm=1.0))
-        return step.lower(params, batch).compile().as_text().count("conditional(")
+    def loops():
+        step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+        return step.lower(w, x).compile().as_text().count(" while(")
 
-    with parts.gpu_branches():
-        assert conditionals() == 0
-    assert lax.platform_dependent is before
-    assert conditionals() == (1 if jax.default_backend() == "cpu" else 0)
+    with parts.swapped({"LOOP_WORK": 0}):
+        with parts.gpu_branches():
+            assert loops() == 0
+        assert lax.platform_dependent is before
+        assert loops() == (1 if jax.default_backend() == "cpu" else 0)
+    assert _norms.LOOP_WORK > 0
     with pytest.raises(RuntimeError, match="inside"):
         with parts.gpu_branches():
             raise RuntimeError("inside")
@@ -493,23 +483,19 @@ def test_the_parts_benchmark_compiles_the_gpus_branches_here():
 @pytest.mark.slow
 def test_the_ghost_steps_memory_is_sized_variant_by_variant(tmp_path):
     """private_parts.py --memory: each variant's compiled peak beside the non-private step's,
-    their ratio; with --gpu-branches as a GPU's engine would choose (the MLP's `cond`-free
-    sums: not the same step, so not the same peak here); refused beside the other modes."""
-    asked = ("--mlp", "--memory", "--batches", "8", "--variants", "ghost", "reductions checked")
-    ghost = []
+    their ratio; with --gpu-branches as a GPU's engine would choose; refused beside the other
+    modes."""
+    asked = ("--mlp", "--memory", "--batches", "8", "--variants", "ghost", "norms batched")
     for extra in ((), ("--gpu-branches",)):
         rows = run_private(tmp_path, *asked, *extra, script="private_parts.py")
         assert [(r["variant"], r["batch"]) for r in rows] == [
             ("jax.grad (non-private)", 8),
             ("ghost", 8),
-            ("reductions checked", 8),
+            ("norms batched", 8),
         ]
         base = rows[0]["peak_bytes"]
         assert base > 0 and all(r["memory_ratio"] == r["peak_bytes"] / base for r in rows[1:])
         assert "time_s" not in rows[1]
-        ghost.append(rows[1]["peak_bytes"])
-    if jax.default_backend() == "cpu":  # (elsewhere both are the GPU's branches)
-        assert ghost[0] != ghost[1]  # (the CPU's branches, then the GPU's)
     refused("--memory", "--grams", why="--memory sizes the steps' parts")
     refused("--memory", "--flops", why="--flops counts the steps' parts")
     refused("--kernels", "--memory", why="--kernels profiles the two steps")
@@ -610,3 +596,25 @@ def test_each_contender_is_timed_over_the_sample_time(monkeypatch):
         # (one call each to calibrate, then 3 rounds of 1 call, or of 40 for the fast one)
         assert calls == ([4, 121] if each else [4, 4]), calls
         assert paired.medians == pytest.approx((0.02, 0.0005)), paired.medians
+
+
+@pytest.mark.slow
+def test_the_compile_benchmark_measures_every_method_on_each_model(tmp_path):
+    """benchmarks/compile.py --quick: each method's trace+lower and compile times of a fresh
+    step, its program's lines and conditionals, on both quick models; the non-private step is
+    the reference of the ratios; `--markdown`'s table names every row."""
+    rows = run_private(tmp_path, "--quick", script="compile.py")
+    methods = ["jax.grad (non-private)", "optclip.clipped_grad", "jax_privacy.clipped_grad"]
+    for model in ("unrolled-2", "mlp-4"):
+        got = {r["method"]: r for r in rows if r["model"] == model}
+        assert sorted(got) == sorted(methods), got
+        for r in got.values():
+            assert r["trace_lower_s"] > 0 and r["compile_s"] > 0 and r["total_s"] > 0, r
+            assert r["lines"] > 0 and r["conditionals"] >= 0 and r["total_ratio"] > 0, r
+            assert r["jax"] == jax.__version__ and r["device"] and r["date"], r
+        plain = got["jax.grad (non-private)"]
+        assert plain["total_ratio"] == 1.0 and plain["lines_ratio"] == 1.0, plain
+    assert len(rows) == 6, rows
+    table = load("compile.py").markdown(rows)
+    for r in rows:
+        assert f"| {r['model']} | {r['method']} |" in table, table

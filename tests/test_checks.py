@@ -381,6 +381,7 @@ LEAF_ENTRY_POINTS: dict = {
     "AxisNameError": "an exception class",
     "NonFiniteNormError": "an exception class",
     "reraise_errors": "a context manager around a step: it reads no tree",
+    "force_ghost_route": "a context manager around tracing `clipped_grad`: it reads no tree",
     "loss_scale": "reads one field of a `guarded` state (not yet checked: see BUILD_NOTES.md)",
     "global_norm": _function(optclip.global_norm, "global_norm"),
     "clip_by_value": _function(lambda t: optclip.clip_by_value(t, 0.0, 1.0), "`clip_by_value`"),

@@ -166,33 +166,12 @@ def on_platform(jaxpr, platform, scanned=False):
             yield from on_platform(sub, platform, scanned or eqn.primitive.name == "scan")
 
 
-def test_dropped_examples_are_zeroed_one_at_a_time():
-    """`_sums._one_by_one`: where a dropped example is not finite, the clipped sums are taken
-    one example after another, each example's records, output gradients and materialised
-    per-example gradients zeroed in turn: no copy of the batch's (XLA held one beside all that
-    the sums read: the benchmark's MLP at 256 took 1.20x the non-private step's memory with
-    its biases' per-example gradients zeroed over the batch, 1.14x so). Off a CPU, where a
-    model of reductions only zeroes in every step with no `cond`, the copies are the batch's."""
+def test_a_dropped_non_finite_example_leaves_the_others_sums_exact():
+    """An example whose gradient is not finite, dropped by ``nan_safe``: its norm is NaN and
+    the clipped sums are the float64 reference's over the other examples, jitted and eager
+    (its records and output gradients are zeroed, never multiplied by its factor 0)."""
     loss, params, x = gm.mlp(np.random.default_rng(34), h=7)
     step = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    jaxpr = jax.make_jaxpr(step)(params, x).jaxpr
-    batch = (x.shape[0], 7)  # a bias's per-example gradients
-
-    def zeroed(platform):
-        return [
-            scanned
-            for eqn, scanned in on_platform(jaxpr, platform)
-            if eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape[-1:] == (7,)
-        ]
-
-    assert zeroed("cpu") and all(zeroed("cpu"))  # (per example, inside the loop)
-    assert not all(zeroed("cuda"))
-    shapes = {
-        eqn.outvars[0].aval.shape
-        for eqn, scanned in on_platform(jaxpr, "cpu")
-        if eqn.primitive.name == "select_n" and not scanned
-    }
-    assert batch not in shapes, shapes
     bad = x.at[1, 0].set(np.inf)
     kept = np.delete(np.arange(x.shape[0]), 1)
     _, sums = gm.reference(loss, params, x[kept], 1.0)
@@ -207,8 +186,8 @@ def test_norms_exact_for_factors_near_float32s_largest(rows):
     # Layer inputs past 2**126 (dividing them by their power of two at once would divide by a
     # subnormal number, which the CPU flushes to zero: norms of 0, the examples unclipped),
     # output gradients small enough for the gradients and norms to be finite: one row per
-    # example (`_leaves.reductions_only`, always divided) and three (the Grams, divided only where
-    # `_factors.safe` says so); the bias's per-example gradients are materialised.
+    # example (inner products) and three (the Grams); the bias's per-example gradients are
+    # materialised.
     rng = np.random.default_rng(31)
     params = {
         "w": jnp.asarray(rng.normal(size=(4, 3)) * 1e-37, jnp.float32),
@@ -361,20 +340,31 @@ def test_clipped_sums_exact_at_every_balance_of_inputs_gradients_and_clip(
     assert_tree_close(grads, jax.tree.map(lambda s: s / c, sums) if unit else sums)
 
 
-def test_a_factor_is_divided_exactly_at_every_exponent():
-    # `_factors.Factor.scaled`: the largest magnitude in [0.5, 1), every entry divided by
-    # the same power of two, from float32's smallest normal numbers to its largest.
-    from optclip.ghost import _factors
+@pytest.mark.every_case
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
+    # `_interpret.normalized`: the largest magnitude in [0.5, 1), every entry divided by the
+    # same power of two, from the dtype's smallest normal numbers to its largest; a zero
+    # keeps its values with `ZERO_EXPONENT`; an entry not finite gives zeros and `FLAG`.
+    from optclip.ghost import _factors, _interpret
 
+    info = jnp.finfo(dtype)
     rng = np.random.default_rng(32)
-    for exponent in (-125, -60, -1, 0, 1, 60, 125, 126, 127, 128):
-        x = np.float32(rng.uniform(0.5, 1.0, size=(1, 2, 1, 3, 4)) * 2.0**exponent)
-        x[0, 1] = -x[0, 1]
-        f = _factors.factor(jnp.asarray(x), jnp.float32)
-        np.testing.assert_array_equal(np.asarray(f.exponent), [[exponent, exponent]])
-        got = np.asarray(jax.jit(lambda v: _factors.factor(v, jnp.float32).scaled().values)(x))
-        np.testing.assert_array_equal(got, np.float64(x) * 2.0**-exponent)
-        assert 0.5 <= np.max(np.abs(got)) < 1
+    f = jax.jit(_interpret.normalized)
+    lo, hi = int(info.minexp) + 1, int(info.maxexp)  # (the largest entry's, normal)
+    for exponent in sorted({lo, lo // 2, -1, 0, 1, hi // 2, hi}):
+        x = np.float64(rng.uniform(0.5, 1.0, size=(3, 4))) * 2.0**exponent
+        x[1] = -x[1]
+        x = np.asarray(jnp.asarray(x, dtype), np.float64)
+        got, e = f(jnp.asarray(x, dtype))
+        assert int(e) == exponent and got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float64), x * 2.0**-exponent)
+        assert 0.5 <= np.max(np.abs(np.asarray(got, np.float64))) < 1
+    zeros, e = f(jnp.zeros((3,), dtype))
+    assert int(e) == _factors.ZERO_EXPONENT and not np.any(np.asarray(zeros))
+    for bad in (np.nan, np.inf, -np.inf):
+        got, e = f(jnp.asarray([1.0, bad, 2.0], dtype))
+        assert int(e) == _interpret.FLAG and not np.any(np.asarray(got))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -396,54 +386,46 @@ def test_powers_of_two_are_exact_normal_halves_at_every_exponent(dtype):
         assert np.all(np.isfinite(first) & np.isfinite(second))
 
 
-def test_a_model_of_single_rows_has_no_conditional(monkeypatch):
-    """`_leaves.reductions_only`: where every parameter's norm is a reduction (the MLP: each dense
-    layer applied to one row per example, its biases materialised), the step lowered for a
-    GPU has no `cond` (a GPU reads a `cond`'s predicate on the host: the MLP's step took 2.2x
-    the non-private one on an H100 with two of them), and for a CPU one, the sums' (cheaper
-    there than zeroing); with sequence rows (the transformer's Grams), one checks the Grams,
-    one the dropped examples of the sums. The same values every way (the GPU's way run here
-    with `lax.platform_dependent` taking its default), against float64, at magnitudes whose
-    squares overflow, with a dropped non-finite example."""
-    from optclip.ghost import _leaves
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_step_has_no_conditional_at_any_depth(dtype):
+    """No `cond` per site, leaf or layer: the platform's route is chosen once per step (one
+    `lax.platform_dependent` at most, resolved when the step is lowered), overflow-safe
+    magnitudes and non-finite examples are handled by arithmetic. The count is the same for
+    a model of 1 and of 4 layers, and the compiled step has no conditional."""
 
-    def conditionals(loss, params, x, platform):
+    def conditionals(layers, platform):
+        loss, params, x = gm.unrolled(np.random.default_rng(33), layers=layers, dtype=dtype)
         step = optclip.clipped_grad(loss, l2_clip_norm=1.0, nan_safe=True)
         eqns = on_platform(jax.make_jaxpr(step)(params, x).jaxpr, platform)
-        return sum(eqn.primitive.name == "cond" for eqn, _ in eqns)
+        return sum(eqn.primitive.name in ("cond", "while") for eqn, _ in eqns)
 
-    mlp = gm.mlp(np.random.default_rng(33))
-    transformer = gm.transformer(np.random.default_rng(33))
-    assert conditionals(*mlp, "cuda") == conditionals(*mlp, "rocm") == 0
-    assert conditionals(*mlp, "cpu") == 1  # (the sums': cheaper there than zeroing)
-    assert conditionals(*transformer, "cuda") == conditionals(*transformer, "cpu") == 2
-    compiled = jax.jit(optclip.clipped_grad(mlp[0], l2_clip_norm=1.0)).lower(*mlp[1:]).compile()
-    assert compiled.as_text().count("conditional(") == 1
-    loss, params, x = mlp
+    for platform in ("cpu", "cuda"):
+        assert conditionals(1, platform) == conditionals(4, platform) == 0
+    loss, params, x = gm.unrolled(np.random.default_rng(33), layers=4, dtype=dtype)
+    lowered = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0)).lower(params, x)
+    assert "stablehlo.case" not in lowered.as_text() and "stablehlo.if" not in lowered.as_text()
+    assert "conditional(" not in lowered.compile().as_text()
+
+
+@pytest.mark.parametrize("way", ["cpu", "default"])
+def test_a_model_of_single_rows_is_exact_on_every_platform(way, monkeypatch):
+    """The MLP (each dense layer applied to one row per example, its biases materialised),
+    the CPU's way and the GPU's (`lax.platform_dependent` taking its default here), against
+    float64, at magnitudes whose squares overflow, with a dropped non-finite example."""
+    if way == "default":
+        gm.take_gpu_branches(monkeypatch)
+    loss, params, x = gm.mlp(np.random.default_rng(33))
     x = x.at[2, 1].set(np.nan)
     huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
-    results = []
-    # the CPU's way, the GPU's, and the norms checked as the transformer's (forced on the MLP)
-    for way in ("cpu", "default", "checked"):
-        with monkeypatch.context() as m:
-            if way == "default":
-                gm.take_gpu_branches(m)
-            if way == "checked":
-                m.setattr(_leaves, "reductions_only", lambda t: False)
-                assert conditionals(*mlp, "cuda") == 2
-            for f in (loss, huge):
-                step = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
-                grads, aux = jax.jit(step)(params, x)
-                norms = np.asarray(aux.grad_norms)
-                assert np.isnan(norms[2]) and np.isfinite(np.delete(norms, 2)).all()
-                kept = np.delete(np.arange(x.shape[0]), 2)
-                want, sums = gm.reference(f, params, x[kept], 1.0)
-                np.testing.assert_allclose(np.delete(norms, 2), want, rtol=RTOL)
-                assert_tree_close(grads, sums)
-                results.append(jax.tree.leaves((grads, norms)))
-    for k in range(2, len(results)):  # each way against the CPU's, loss for loss
-        for a, b in zip(results[k], results[k % 2], strict=True):
-            np.testing.assert_allclose(a, b, rtol=1e-6)
+    for f in (loss, huge):
+        step = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+        grads, aux = jax.jit(step)(params, x)
+        norms = np.asarray(aux.grad_norms)
+        assert np.isnan(norms[2]) and np.isfinite(np.delete(norms, 2)).all()
+        kept = np.delete(np.arange(x.shape[0]), 2)
+        want, sums = gm.reference(f, params, x[kept], 1.0)
+        np.testing.assert_allclose(np.delete(norms, 2), want, rtol=RTOL)
+        assert_tree_close(grads, sums)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
@@ -521,21 +503,19 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     """Depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of 64 features,
     each of whose norms is its per-example product's squares, `_factors.self_term`) with the
     norms taken one example at a time, as a CPU takes them for images of real sizes
-    (`_leaves.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
+    (`_norms.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
     second call. With an `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave
     norms 0.23 off here for a batch of one and 0.40 for two (jitted; eager, too), 1.1e-3 off
     for one example through the 1x1 kernel alone, and other values in another process. On a
     CPU each example's four kernels' norms, and the four convolutions' clipped sums
-    (`_sums._in_turn`), go one after another (`_leaves.in_turn_over`)."""
-    from optclip.ghost import _leaves, _sums
+    (`_sums.in_turn`) go one after another."""
+    from optclip.ghost import _norms, _sums
 
-    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
-    turns, sums = [], []  # (every loop's items; the clipped sums' loops')
-    in_turn_over, in_turn = _leaves.in_turn_over, _sums._in_turn
-    spy = lambda items, *rest: turns.append(len(items)) or in_turn_over(items, *rest)  # noqa: E731
-    monkeypatch.setattr(_leaves, "in_turn_over", spy)
+    monkeypatch.setattr(_norms, "LOOP_WORK", 0)
+    sums = []  # (the clipped sums' loops)
+    in_turn = _sums.in_turn
     spy_sums = lambda sites, *rest: sums.append(len(sites)) or in_turn(sites, *rest)  # noqa: E731
-    monkeypatch.setattr(_sums, "_in_turn", spy_sums)
+    monkeypatch.setattr(_sums, "in_turn", spy_sums)
     loss, params, x = separable(np.random.default_rng(37), examples)
     report = optclip.ghost_report(loss, params, x)
     assert {r.mode for r in report.values()} == {"ghost"}, report
@@ -543,29 +523,22 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     again = check_against_reference(loss, params, x, 1.0, mode=mode)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
     assert sums and set(sums) == {4}, sums
-    assert len(turns) > len(sums) and set(turns) == {4}, turns  # (the norms' loops too)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, monkeypatch):
-    """Each example's convolved leaves' norms taken one after another (`_leaves.in_turn_over`;
-    the norms one example at a time forced) on what the batched norms handle: a padding
-    example contributes nothing, a zero example has norm 0 and no NaN, a NaN example is
-    dropped with its norm NaN, and gradients whose squares overflow float32 (the scaled path,
-    which takes the examples one at a time on every platform): against float64, jitted and
-    eager."""
-    from optclip.ghost import _leaves
+    """The norms one example at a time (forced: `_norms.LOOP_WORK`) on what the batched norms
+    handle: a padding example contributes nothing, a zero example has norm 0 and no NaN, a
+    NaN example is dropped with its norm NaN, and gradients whose squares overflow float32:
+    against float64, jitted and eager."""
+    from optclip.ghost import _norms
 
-    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
-    turns = []
-    in_turn_over = _leaves.in_turn_over
-    spy = lambda items, *rest: turns.append(len(items)) or in_turn_over(items, *rest)  # noqa: E731
-    monkeypatch.setattr(_leaves, "in_turn_over", spy)
+    monkeypatch.setattr(_norms, "LOOP_WORK", 0)
     loss, params, x = separable(np.random.default_rng(39), 4, size=4, features=8)
     x = x.at[2].set(0.0)
     padding = np.array([False, True, False, False])
     _, aux = check_against_reference(loss, params, x, 1.0, mode=mode, is_padding_example=padding)
-    assert aux.grad_norms[2] == 0.0 and set(turns) == {4}, (aux.grad_norms, turns)
+    assert aux.grad_norms[2] == 0.0, aux.grad_norms
     huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
     check_against_reference(huge, params, x, 1.0, mode=mode)
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
@@ -575,37 +548,6 @@ def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, m
     kept_norms, kept_sums = gm.reference(loss, params, x[:3], 1.0)
     np.testing.assert_allclose(norms[:3], kept_norms, rtol=RTOL)
     assert_tree_close(grads, kept_sums)
-
-
-def test_output_gradients_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):
-    """Each example's image is ``(1, 16, 16, 64)``: its convolutions' output gradients are
-    ``(2, 1, 16, 16, 64)`` for two examples. XLA's CPU layout assignment put their examples'
-    axis inside the unit one, where the norms' and the clipped sums' `cond`s asked for them
-    in place: each branch held a copy of every one (the benchmark's convnet at 64: 1.38x the
-    non-private step's memory, 1.15x pinned). `_passes.convolutions_row_major` pins them to
-    the row-major layout, as the records are: no branch copies an operand of that shape (a
-    copy fusion of a `get-tuple-element`: six without the pin), the step holds less, and the
-    values are the float64 reference's."""
-    import re
-
-    from optclip.ghost import _passes
-
-    loss, params, x = separable(np.random.default_rng(38), 2, size=16)
-    shape = r"f32\[2,1,16,16,64\]\{[0-9,]+\}"
-    other = re.compile(rf"= {shape} (fusion|copy)\(%get-tuple-element[.0-9]*\)")
-
-    def compiled():
-        g = optclip.clipped_grad(loss, l2_clip_norm=1.0)  # (traced anew)
-        return jax.jit(g).lower(params, x).compile()
-
-    step = compiled()
-    assert not [line for line in step.as_text().splitlines() if other.search(line)]
-    for mode in ("jit", "eager"):
-        check_against_reference(loss, params, x, 1.0, mode=mode)
-    monkeypatch.setattr(_passes, "convolutions_row_major", lambda grads, sites: grads)
-    unpinned = compiled()
-    assert [line for line in unpinned.as_text().splitlines() if other.search(line)]
-    assert step.memory_analysis().temp_size_in_bytes < unpinned.memory_analysis().temp_size_in_bytes
 
 
 @pytest.mark.parametrize("name", ["conv_shared", "conv"])
@@ -633,51 +575,51 @@ def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monk
 
 
 @pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "conv_shared"])
-def test_the_path_for_extreme_magnitudes_agrees_with_the_common_one(name, monkeypatch):
-    # Norms are computed on the factors as they are where no product can overflow or flush,
-    # else one example at a time on factors divided by their magnitudes: forced here.
-    from optclip.ghost import _factors
-
+def test_every_forced_route_gives_the_same_numbers(name):
+    """`optclip.force_ghost_route`, the setting for bisecting a wrong number: every route
+    (each leaf materialised, every ghost leaf by its Grams, or by its direct product) gives
+    the chosen route's norms and sums to float32 rounding, at ordinary magnitudes and at
+    magnitudes whose squares overflow; a step traced inside the context keeps its route."""
     loss, params, x = MODELS[name](np.random.default_rng(12))
-    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    common = jax.jit(g)(params, x)
-    monkeypatch.setattr(_factors, "safe", lambda x, y: x.exponent == _factors.ZERO_EXPONENT)
-    monkeypatch.setattr(_factors, "safe_squares", lambda f: f.exponent[0] > 2**30)
-    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
-    scaled = jax.jit(g)(params, x)
-    np.testing.assert_allclose(scaled[1].grad_norms, common[1].grad_norms, rtol=1e-6)
-    assert_tree_close(scaled[0], jax.tree.map(np.asarray, common[0]), rtol=1e-6)
+    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
+    for f in (loss, huge):
+        g = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+        chosen = jax.jit(g)(params, x)
+        for route in ("materialised", "grams", "direct"):
+            with optclip.force_ghost_route(route):
+                g = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+                step = jax.jit(g)
+                report = optclip.ghost_report(f, params, x)
+                forced = step(params, x)
+            modes = {r.mode for r in report.values()} - {"unused"}
+            assert modes == ({"materialised"} if route == "materialised" else modes), report
+            again = step(params, x)  # (outside the context: the same program)
+            np.testing.assert_array_equal(again[1].grad_norms, forced[1].grad_norms)
+            np.testing.assert_allclose(forced[1].grad_norms, chosen[1].grad_norms, rtol=2e-6)
+            assert_tree_close(forced[0], jax.tree.map(np.asarray, chosen[0]), rtol=2e-6)
+    with pytest.raises(ValueError, match="route"):
+        with optclip.force_ghost_route("careful"):
+            pass
 
 
 @pytest.mark.parametrize(
     "name", ["transformer", "tied", "conv", "recurrent", "scanned", "mlp", "conv_shared"]
 )
 def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
-    # On a CPU, where one example's Grams are large (`_leaves.LOOP_WORK` multiply-adds), the
+    # On a CPU, where one example's Grams are large (`_norms.LOOP_WORK` multiply-adds), the
     # norms are computed one example after another: forced here (the tests' models are small)
     # and checked against the float64 reference and the batch's values, with a non-finite
     # example dropped, at a magnitude whose squares overflow, and eager.
-    from optclip.ghost import _leaves
+    from optclip.ghost import _norms
 
     loss, params, x = MODELS[name](np.random.default_rng(13))
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    text = str(jax.make_jaxpr(g)(params, x))  # (records pinned, magnitudes: platform choices)
-    choices, loops = text.count("platform_index"), text.count("scan[")
+    loops = str(jax.make_jaxpr(g)(params, x)).count("scan[")
     batched = jax.jit(g)(params, x)
-    monkeypatch.setattr(_leaves, "LOOP_WORK", 0)
+    monkeypatch.setattr(_norms, "LOOP_WORK", 0)
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
-    text = str(jax.make_jaxpr(g)(params, x))  # one more choice: the loop (`lax.map`) on a CPU
-    if name == "mlp":  # (no Gram with rows: `_leaves.reductions_only`, never a loop)
-        assert text.count("platform_index") == choices and text.count("scan[") == loops
-    else:  # (and, with two or more convolved leaves, each example's in turn: a `fori_loop`)
-        report = optclip.ghost_report(loss, params, x).values()
-        convolved = [
-            r for r in report if r.mode == "ghost" and "conv_general_dilated" in r.operations
-        ]
-        turns = 1 if len(convolved) > 1 else 0
-        assert name not in ("conv", "conv_shared") or turns == 1, report
-        assert text.count("platform_index") > choices
-        assert text.count("scan[") == loops + 1 + turns
+    text = str(jax.make_jaxpr(g)(params, x))  # one more loop on a CPU (`lax.map`)
+    assert text.count("scan[") > loops
     looped = check_against_reference(loss, params, x, 1.0)
     np.testing.assert_allclose(looped[1].grad_norms, batched[1].grad_norms, rtol=1e-6)
     assert_tree_close(looped[0], jax.tree.map(np.asarray, batched[0]), rtol=1e-6)
@@ -692,49 +634,74 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
         assert_tree_close(grads, sums)
 
 
-@settings(max_examples=80, deadline=None)
+def _bilinear_steps(sizes):
+    """The jitted step of ``sum((x @ w) * y)`` (each example's gradient ``x^T y``, `sizes` =
+    ``(K, Sx, Sy)``) by each route: ``{route: step}``, compiled once per size."""
+    k, sx, sy = sizes
+
+    def loss(w, batch):
+        x, y = batch
+        return jnp.sum((x @ w) * y)
+
+    steps = {}
+    for route in (None, "grams", "direct"):
+        with optclip.force_ghost_route(route):
+            g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+            w = jnp.zeros((sx, sy))
+            batch = (jnp.zeros((3, k, sx)), jnp.zeros((3, k, sy)))
+            steps[route] = jax.jit(g).lower(w, batch).compile()
+    return steps
+
+
+BILINEAR = {
+    sizes: functools.cache(lambda sizes=sizes: _bilinear_steps(sizes))
+    for sizes in [(5, 1, 1), (4, 3, 2)]
+}
+
+
+@settings(max_examples=60, deadline=None)
 @given(
     shifts=st.tuples(st.integers(-75, 75), st.integers(-75, 75)),
-    sizes=st.tuples(st.integers(1, 6), st.integers(1, 5), st.integers(1, 5)),
+    sizes=st.sampled_from(list(BILINEAR)),
     seed=st.integers(0, 2**31),
 )
 @example(shifts=(0, 0), sizes=(5, 1, 1), seed=1291421)  # (terms that cancel: 2.1e-6 relative)
-def test_norms_are_computed_unscaled_only_where_that_is_exact(shifts, sizes, seed):
-    # One use's factors x (K, Sx) and y (K, Sy) at magnitudes 2**shift: wherever
-    # `_factors.safe` lets the norm be computed on them as they are, it equals the float64
-    # norm of sum_k x_k (outer) y_k to float32 rounding, as the scaled computation always does;
-    # and at ordinary magnitudes it does let it. Where the sum's terms cancel, float32's
-    # rounding is relative to the terms, not to the sum: its square is then within 1e-6 of
-    # the squared norm of the terms' magnitudes (BUILD_NOTES, "Cancellation").
-    from optclip.ghost import _factors, _pairs
-
+@example(shifts=(75, 75), sizes=(4, 3, 2), seed=0)
+@example(shifts=(-75, -75), sizes=(4, 3, 2), seed=0)
+def test_norms_and_sums_exact_at_every_balance_of_magnitudes(shifts, sizes, seed):
+    # One use's factors x (K, Sx) and y (K, Sy) at magnitudes 2**shift: by every route, the
+    # norm equals the float64 norm of sum_k x_k (outer) y_k to float32 rounding, and the
+    # clipped sum the float64 one (one compiled step per size and route: only the values
+    # are drawn). Where the sum's terms cancel, float32's rounding is relative to the terms,
+    # not to the sum: its square is then within 1e-6 of the squared norm of the terms'
+    # magnitudes. A norm past float32's range is inf, one below its normal numbers 0.
     k, sx, sy = sizes
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(1, 3, 1, k, sx)) * 2.0 ** shifts[0]
-    y = rng.normal(size=(1, 3, 1, k, sy)) * 2.0 ** shifts[1]
-    x, y = np.float32(x), np.float32(y)
-    expected = np.sqrt(
-        np.sum(np.einsum("lbhkc,lbhkf->lbcf", np.float64(x), np.float64(y)) ** 2, axis=(2, 3))
+    x = np.float32(rng.normal(size=(3, k, sx)) * 2.0 ** shifts[0])
+    y = np.float32(rng.normal(size=(3, k, sy)) * 2.0 ** shifts[1])
+    g64 = np.einsum("bkc,bkf->bcf", np.float64(x), np.float64(y))
+    expected = np.sqrt(np.sum(g64**2, axis=(1, 2)))
+    magnitudes = np.sum(
+        np.einsum("bkc,bkf->bcf", np.abs(np.float64(x)), np.abs(np.float64(y))) ** 2, axis=(1, 2)
     )
-    ax, ay = np.abs(np.float64(x)), np.abs(np.float64(y))
-    magnitudes = np.sum(np.einsum("lbhkc,lbhkf->lbcf", ax, ay) ** 2, axis=(2, 3))
-    fx, fy = (_factors.factor(jnp.asarray(a), jnp.float32) for a in (x, y))
-    safe = np.asarray(_factors.safe(fx, fy))
-    if max(map(abs, shifts)) <= 10:
-        assert safe.all()
-    for scaled in (True, False):
-        e, v = _pairs.leaf_terms([(fx, fy)], jnp.float32, scaled)
-        got = np.float64(np.asarray(jnp.ldexp(jnp.sqrt(v), e)))
-        where = np.ones_like(safe) if scaled else safe
-        # (a norm past float32's range is inf, and one below its normal numbers flushes to 0,
-        # as everywhere in optclip)
-        info = np.finfo(np.float32)
-        want = np.where(expected > info.max, np.inf, expected)
-        want = np.where(expected < info.tiny, 0.0, want)
+    info = np.finfo(np.float32)
+    want = np.where(expected > info.max, np.inf, expected)
+    want = np.where(expected < info.tiny, 0.0, want)
+    for route, step in BILINEAR[sizes]().items():
+        sums, aux = step(jnp.zeros((sx, sy)), (x, y))
+        got = np.float64(np.asarray(aux.grad_norms))
         close = np.isclose(got, want, rtol=2e-6, atol=info.tiny)
-        with np.errstate(invalid="ignore"):  # (inf - inf where both are inf: `close` then)
+        with np.errstate(invalid="ignore", over="ignore"):  # (inf - inf where both are inf)
             cancelled = np.abs(got**2 - want**2) <= 1e-6 * magnitudes
-        assert np.all((close | cancelled)[where]), (got, want, np.sqrt(magnitudes))
+        assert np.all(close | cancelled), (route, got, want, np.sqrt(magnitudes))
+        inside = (expected < info.max / 4) & (expected > 2.0**-100)
+        if np.all(inside):  # (each example's error: float32's, relative to its terms'
+            # magnitude, the more so where they cancel: as `method="vmap"`'s)
+            factors = np.minimum(1.0, 1.0 / expected)
+            ref = np.einsum("b,bcf->cf", factors, g64)
+            terms = np.sqrt(magnitudes)
+            error = np.sum(4e-6 * factors * terms * np.maximum(1.0, terms / expected))
+            np.testing.assert_allclose(np.asarray(sums, np.float64), ref, rtol=0, atol=error)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
@@ -857,82 +824,36 @@ def test_float16_sums_below_float16s_normal_numbers_are_rounded_once(way, monkey
         assert ghost[k] <= 1.5 * vmap[k] + 2**-11, (k, ghost, vmap)
 
 
-def test_float16_sides_weighted_below_their_precision_share_the_factor(monkeypatch):
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_float16_sides_weighted_below_their_precision_keep_it(mode):
     # Float16's normal numbers stop at 6e-5. Inputs at 256x and output gradients at 4e-3,
-    # clipped from norms of 2-3 to 1e-3: the weighted output gradients (4e-6) round to float16's
-    # subnormal numbers, 1.5% apart (`_sums._normal_exponents`): the weight's sum came out 3e-2
-    # of its largest entry off float64. Such a batch shares the factor between both sides:
-    # within float16's rounding (9.8e-4; method="vmap": 1.1e-3). Clipped to 1, the plain sums.
-    from optclip.ghost import _sums
-
+    # clipped from norms of 2-3 to 1e-3: each example's weighted output gradient (4e-6)
+    # would round to float16's subnormal numbers, 1.5% apart. Each site's sum is taken with
+    # the weights divided by the largest example's power of two (`_sums.common_exponent`):
+    # within float16's rounding of float64 (method="vmap": 1.1e-3). Clipped to 1, the plain
+    # sums.
     loss, params, x = _large_inputs(1, shift=8, dtype=jnp.float16, gain=1.0)
-    unsafe, flagged = _sums.unsafe, []
-
-    def spy(*args):
-        flags = unsafe(*args)
-        if not isinstance(flags, jax.core.Tracer):  # (under `jax.disable_jit`)
-            flagged.append(int(np.sum(flags)))
-        return flags
-
-    monkeypatch.setattr(_sums, "unsafe", spy)
-    for clip, count in ((1e-3, x.shape[0]), (1.0, 0)):
+    for clip in (1e-3, 1.0):
         g = optclip.clipped_grad(loss, l2_clip_norm=clip)
-        with jax.disable_jit():  # (the flags are concrete, and `lax.cond` picks in Python)
-            grads = g(params, x)
-        assert flagged.pop() == count
         _, sums = gm.reference(loss, params, x, clip)
-        assert_tree_close(grads, sums, rtol=2e-3)
-        assert_tree_close(jax.jit(g)(params, x), sums, rtol=2e-3)
+        assert_tree_close(run(g, mode)(params, x), sums, rtol=2e-3)
 
 
-@pytest.mark.every_case
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_a_low_precision_model_of_single_rows_has_no_conditional_on_a_cpu_either(dtype):
-    """`_sums.without_cond`: an MLP whose records and output gradients are all float16 or
-    bfloat16 zeroes its dropped examples in every step on a CPU too, as off a CPU. XLA on a
-    CPU multiplies them in float32, and the `cond`'s plain branch held float32 copies of every
-    product's operands at once (the benchmark's MLP in bfloat16 at 256: 1.46x the non-private
-    step's memory with the `cond`, 1.17x without; in float16 1.24x, 0.97x). No `cond`, no
-    loop, no record pinned to a layout (`_passes.row_major`: for the `cond`s' branches). The
-    MLP in float32, the float32 MLP given `dtype` inputs, and a sequence model in `dtype`
-    keep theirs. The values with a dropped non-finite example: the test after next."""
-    rng = np.random.default_rng(36)
-
-    def counts(loss, params, x):
-        step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
-        names = [
-            e.primitive.name for e, _ in on_platform(jax.make_jaxpr(step)(params, x).jaxpr, "cpu")
-        ]
-        return {n: names.count(n) for n in ("cond", "layout_constraint", "scan", "while")}
-
-    loss, params, x = gm.mlp(rng, dtype=dtype)
-    assert counts(loss, params, x) == {"cond": 0, "layout_constraint": 0, "scan": 0, "while": 0}
-    if jax.default_backend() == "cpu":
-        text = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0)).lower(params, x).compile()
-        assert "conditional(" not in text.as_text() and " while(" not in text.as_text()
-    loss, params, x = gm.mlp(rng)
-    for inputs in (x, x.astype(dtype)):
-        kept = counts(loss, params, inputs)
-        assert kept["cond"] == 1 and kept["layout_constraint"] > 0 and kept["scan"] == 1, kept
-    assert counts(*gm.sequence(rng, dtype=dtype))["cond"] == 2
-
-
-def test_a_bfloat16_batch_stays_bfloat16_in_the_loops_over_its_examples():
+def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypatch):
     """`Tapped.example` on bfloat16 records: XLA on a CPU slices a bfloat16 array in float32,
     and hoisted a float32 copy of each whole record and output gradient out of each loop over
-    the examples (on a CPU the norms' `_leaves._by_example`, and the sums' rare branch
-    `_sums._one_by_one`), held as the loop's state beside everything they read (the
-    benchmark's MLP in bfloat16 at 256, before its sums lost their `cond`: 1.64x the
-    non-private step's memory, 1.46x with each array tied to the loop's index; its
-    transformer 1.20x, 1.05x). Each loop's state holds the batch in bfloat16 only; the sums on
-    that path are checked by the next test."""
+    the examples (on a CPU the norms of large Grams, `_norms.norms`), held as the loop's
+    state beside everything they read. The loop's state holds the batch in bfloat16 only."""
+    from optclip.ghost import _norms
+
     if jax.default_backend() != "cpu":
         pytest.skip("XLA's float32 slicing of bfloat16 is the CPU's")
+    monkeypatch.setattr(_norms, "LOOP_WORK", 0)  # (the norms one example at a time)
     loss, params, x = gm.sequence(np.random.default_rng(0), dtype=jnp.bfloat16)
     step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
     text = step.lower(params, x).compile().as_text()
     loops = [line.split(" while(")[0] for line in text.splitlines() if " while(" in line]
-    assert len(loops) == 2, loops
+    assert len(loops) == 1, loops
     for state in loops:
         assert "bf16[5,1,3,4]" in state  # (the records, sliced in the loop)
         assert not re.search(r"f32\[5,", state), state
@@ -943,12 +864,10 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loops_over_its_examples():
     "model, dtype", [("mlp", jnp.bfloat16), ("mlp", jnp.float16), ("sequence", jnp.bfloat16)]
 )
 def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtype):
-    # With a dropped example whose gradient is not finite, the clipped sums of a sequence
-    # model are taken one example after another (`_sums._one_by_one`), and those of an MLP in
-    # bfloat16 or float16 over the batch with the dropped example zeroed
-    # (`_sums.without_cond`, a CPU too): the terms are added in float32 and rounded once to
-    # the leaf's dtype, as the batch's sums are (the materialising reference's). Against the
-    # float64 reference too (the examples kept, their sum rounded to the leaf's dtype).
+    # With a dropped example whose gradient is not finite (its records and output gradients
+    # zeroed), the terms are added in float32 and rounded once to the leaf's dtype, as the
+    # materialising reference's are. Against the float64 reference too (the examples kept,
+    # their sum rounded to the leaf's dtype).
     if model == "mlp":
         loss, params, x = gm.mlp(np.random.default_rng(35), dtype=dtype, batch=256)
     else:
@@ -1013,11 +932,16 @@ GRAM_PRECISION = {
 def test_grams_are_computed_at_the_precision_of_their_product(name, default):
     # At JAX's default precision a GPU's float32 products are TF32: the norms' Grams at
     # HIGHEST (float32) would be several times slower than the products they stand for.
+    # A model of single rows (the MLP) has no Gram: its inner products are elementwise
+    # float32 reductions, at every default.
     loss, params, x = MODELS[name](np.random.default_rng(0))
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
     with jax.default_matmul_precision(default):
         grams = grams_in(jax.make_jaxpr(g)(params, x).jaxpr)
-    assert grams and {p for p, _ in grams} == {GRAM_PRECISION[default]}
+    if name == "mlp":
+        assert grams == []
+    else:
+        assert grams and {p for p, _ in grams} == {GRAM_PRECISION[default]}
 
 
 @pytest.mark.every_case
@@ -1174,31 +1098,6 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     total = np.sum(per_example, axis=0)
     got = np.asarray(sums["w"], np.float64)
     np.testing.assert_allclose(got, total, rtol=2.0**-8, atol=RTOL * np.max(np.abs(total)))
-
-
-def test_records_with_a_unit_axis_are_not_copied_where_they_are_read(monkeypatch):
-    # Each example's input is (1, 64): its record is (32, 1, 64). XLA's CPU layout assignment
-    # put the unit axis outermost and the products reading the record inside the norms' and
-    # the clipped sums' `cond`s asked for it in place: each branch held a copy of the input.
-    # `_passes.row_major` pins such records (the same bytes); without it this test fails.
-    import re
-
-    from optclip.ghost import _passes
-
-    loss, params, x = gm.mlp(np.random.default_rng(0), d=64, h=32, batch=32)
-    copy = re.compile(r"= f32\[32,1,64\]\{[0-9,]+\} (copy|fusion)\(")
-
-    def compiled():
-        g = optclip.clipped_grad(loss, l2_clip_norm=1.0)  # (traced anew)
-        return jax.jit(g).lower(params, x).compile()
-
-    step = compiled()
-    assert not [line for line in step.as_text().splitlines() if copy.search(line)]
-    for mode in ("jit", "eager"):
-        check_against_reference(loss, params, x, 1.0, mode=mode)
-    monkeypatch.setattr(_passes, "row_major", lambda records: records)
-    unpinned = compiled().memory_analysis().temp_size_in_bytes
-    assert step.memory_analysis().temp_size_in_bytes <= unpinned
 
 
 LOOKUPS = {
@@ -1661,7 +1560,7 @@ def test_random_models_match_the_float64_reference(
     """Random models against float64, their weights scaled by a multiplier or not (a tied
     table's two uses by two numbers: "apart"; a number the jitted step traces: "traced");
     every weight goes ghost (the biases and the LayerNorm-like scale are materialised)."""
-    from optclip.ghost import _leaves
+    from optclip.ghost import _norms
 
     loss, params, ids = random_model(sizes, tied, scanned, magnitude, multiplier)
     make, reports = None, []
@@ -1674,12 +1573,12 @@ def test_random_models_match_the_float64_reference(
     modes = {k: r.mode for k, r in report.items()}
     weights = {k for k in modes if k in ("['embed']", "['out']", "['w']")}
     assert {modes[k] for k in weights} == {"ghost"}, modes
-    loop_work = _leaves.LOOP_WORK
-    _leaves.LOOP_WORK = 0 if looped else loop_work  # (the norms one example at a time)
+    loop_work = _norms.LOOP_WORK
+    _norms.LOOP_WORK = 0 if looped else loop_work  # (the norms one example at a time)
     try:
         _check_random_model(make or loss, params, ids, clip, magnitude, make is not None)
     finally:
-        _leaves.LOOP_WORK = loop_work
+        _norms.LOOP_WORK = loop_work
 
 
 def _shared_models(rng):
@@ -1809,8 +1708,8 @@ def test_a_batch_sharded_over_eight_devices(ghost_multidevice):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("ok"), done.stdout
     assert "mlp/Explicit/spmd_axis_name" in done.stdout
-    for pinned in ("mlp/Explicit/pinned/spmd_axis_name", "transformer/Auto/pinned/spmd_axis_name"):
-        assert pinned in done.stdout, done.stdout
+    for huge in ("mlp/Explicit/huge/spmd_axis_name", "transformer/Auto/huge/spmd_axis_name"):
+        assert huge in done.stdout, done.stdout
     for scaled in ("mlp/Explicit/scaled/vmap", "transformer/Auto/scaled/parameters split"):
         assert scaled in done.stdout, done.stdout
         assert scaled.replace("scaled", "traced") in done.stdout, done.stdout
@@ -2027,9 +1926,9 @@ def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, 
     differentiate it: the ghost way held the factors fixed (`stop_gradient`, a relic of a
     second backward pass), a different gradient, and with the factors differentiated an
     example of zero gradient made it NaN (the root's and the exponent shift's derivatives at
-    0: `_factors._root`, `_at_scale`). With a zero example, a padding one, inputs whose
+    0: `_norms.root`, `_sums.scaled`). With a zero example, a padding one, inputs whose
     squares overflow, and the norms one example at a time."""
-    from optclip.ghost import _leaves
+    from optclip.ghost import _norms
 
     loss, params, x = getattr(gm, name)(np.random.default_rng(51))
     floating = jnp.issubdtype(x.dtype, jnp.floating)
@@ -2047,12 +1946,12 @@ def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, 
             total = sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(grads))
             return total + jnp.sum(jnp.sqrt(aux.grad_norms + 1.0))
 
-        loop_work = _leaves.LOOP_WORK
-        _leaves.LOOP_WORK = 0 if variant == "looped" else loop_work
+        loop_work = _norms.LOOP_WORK
+        _norms.LOOP_WORK = 0 if variant == "looped" else loop_work
         try:
             out[method] = run(jax.grad(objective), mode)(params)
         finally:
-            _leaves.LOOP_WORK = loop_work
+            _norms.LOOP_WORK = loop_work
     for a, b in zip(jax.tree.leaves(out["auto"]), jax.tree.leaves(out["vmap"]), strict=True):
         assert np.all(np.isfinite(np.asarray(a))), out["auto"]
         scale = float(np.max(np.abs(np.asarray(b))))
@@ -2436,40 +2335,6 @@ def test_the_private_step_keeps_the_models_source_lines():
         assert str(line) in located, (step, sorted(set(located)))
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    st.lists(
-        st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True),
-        min_size=0,
-        max_size=12,
-    )
-)
-def test_a_factors_magnitude_is_the_same_read_once_or_twice(values):
-    """`_factors.magnitude` reduces a factor as its largest and smallest entries on a CPU and
-    as ``max |x|`` elsewhere: the same largest magnitude (NaN where there is one, 0 for none)
-    and the same exponent, ``2**(e-1) <= max|x| < 2**e``."""
-    from optclip.ghost import _factors
-
-    x = np.zeros((2, 3, 12), np.float32)
-    x[1, 2, : len(values)] = values
-    x[0, 1, :3] = [-0.0, 1e-45, -3.0]
-    flat = jnp.asarray(x)
-    apart, at_once = _factors._largest_apart(flat), _factors._largest_at_once(flat)
-    np.testing.assert_array_equal(apart, at_once)
-    np.testing.assert_array_equal(jax.jit(_factors._largest_at_once)(flat), at_once)
-    np.testing.assert_array_equal(jax.jit(_factors._largest_apart)(flat), at_once)
-    wide = np.abs(x.astype(np.float64))
-    wide[wide < np.finfo(np.float32).tiny] = 0  # (XLA flushes float32's subnormals)
-    expected = np.where(np.isnan(wide).any(axis=2), np.nan, np.nanmax(wide, axis=2, initial=0))
-    np.testing.assert_array_equal(np.asarray(at_once, np.float64), expected)
-    exponent = np.asarray(_factors.magnitude(flat))
-    finite = np.isfinite(expected) & (expected > 0)
-    assert np.all(2.0 ** (exponent[finite] - 1) <= expected[finite])
-    assert np.all(expected[finite] < 2.0 ** exponent[finite])
-    assert np.all(exponent[expected == 0] == _factors.ZERO_EXPONENT)
-    assert np.all(exponent[~np.isfinite(expected)] == 0)
-
-
 def test_without_jaxs_source_api_the_step_is_the_same(monkeypatch):
     """`_interpret._located` keeps the model's source lines through JAX's private
     `source_info_util`; where that is missing or differs, no line is kept and nothing else
@@ -2514,15 +2379,11 @@ PINNED = re.compile(
 
 
 @pytest.mark.parametrize("remat", [False, True])
-def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
-    """`_interpret._pinned`: lowered for a GPU, the step holds each example's output gradient
-    at each tapped site row-major (the scanned layer's ``(B, 1, T, d)`` per layer, the head's
-    ``(B, 1, T)``), where XLA laid the scanned one out for the bias's per-example sum and
-    transposed the layer's residuals to match. Lowered for a CPU (row-major already), it
-    holds only the records with a unit axis (`_passes.row_major`; and a convolution's output
-    gradients, `convolutions_row_major`: there are none here), with or without it."""
-    from optclip.ghost import _interpret
-
+def test_the_output_gradients_are_held_row_major_on_every_platform(remat):
+    """`_interpret.in_row_major`: lowered for a GPU or a CPU, the step holds each example's
+    output gradient at each tapped site row-major (the scanned layer's ``(B, 1, T, d)`` per
+    layer, the head's ``(B, 1, T)``), where XLA's GPU layout assignment laid the scanned one
+    out for the bias's per-example sum and transposed the layer's residuals to match."""
     loss, params, x = gm.scanned(np.random.default_rng(23), remat=remat)
     report = str(optclip.ghost_report(loss, params, x))
     assert "['b']     materialised" in report and "['w']     ghost" in report, report
@@ -2531,32 +2392,28 @@ def test_on_a_gpu_the_output_gradients_are_held_row_major(remat, monkeypatch):
         step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))  # (traced anew)
         return step.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
 
-    records = [("3, 2, 1, 0", "4x1x2x4"), ("4, 3, 2, 1, 0", "3x4x1x2x4")]  # (head's, w's)
-    gpu = [("2, 1, 0", "4x1x2"), ("3, 2, 1, 0", "4x1x2x4")]  # (head's, w's)
-    assert sorted(PINNED.findall(lowered("cuda"))) == gpu
-    assert sorted(PINNED.findall(lowered("cpu"))) == records
-    monkeypatch.setattr(_interpret, "_pinned", lambda g: g)
-    assert PINNED.findall(lowered("cuda")) == []
-    assert sorted(PINNED.findall(lowered("cpu"))) == records
+    pinned = [("2, 1, 0", "4x1x2"), ("3, 2, 1, 0", "4x1x2x4")]  # (head's, w's)
+    assert sorted(PINNED.findall(lowered("cuda"))) == pinned
+    assert sorted(PINNED.findall(lowered("cpu"))) == pinned
 
 
 @pytest.mark.parametrize("name", ["scanned", "transformer"])
 def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypatch):
-    """The layout constraint of `_interpret._pinned`, applied on a CPU too: the same
-    gradients and norms, bit for bit, jitted and eager (on a rematerialised scan, and on the
+    """The layout constraint of `_interpret.in_row_major`: the same gradients and norms
+    without it, bit for bit, jitted and eager (on a rematerialised scan, and on the
     transformer's scanned blocks with their biases and scales), and so the float64
-    reference's. (On 8 devices: `ghost_multidevice.py`'s ``pinned``.)"""
+    reference's."""
     from optclip.ghost import _interpret
 
     make = functools.partial(gm.scanned, remat=True) if name == "scanned" else gm.transformer
     loss, params, x = make(np.random.default_rng(24))
     for mode in ("jit", "eager"):
         step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
-        plain = run(step, mode)(params, x)
+        pinned = run(step, mode)(params, x)
+        check_against_reference(loss, params, x, 0.5, mode=mode)
         with monkeypatch.context() as m:
-            m.setattr(_interpret, "_pinned", _interpret.in_row_major)
+            m.setattr(_interpret, "in_row_major", lambda g: g)
             step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
-            pinned = run(step, mode)(params, x)
-            check_against_reference(loss, params, x, 0.5, mode=mode)
+            plain = run(step, mode)(params, x)
         for a, b in zip(jax.tree.leaves(pinned), jax.tree.leaves(plain), strict=True):
             np.testing.assert_array_equal(a, b)

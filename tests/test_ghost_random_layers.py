@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import optclip
-from optclip.ghost import _leaves
+from optclip.ghost import _norms
 
 SPATIAL = "HWD"
 EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))
@@ -367,12 +367,12 @@ def product_case(**changes):
 # (the same weight at every step of a scan and outside it, scaled)
 @product_case(scan="same", twice=True, view="scaled", clip=1e30)
 def test_random_dense_products_match_the_float64_reference(c):
-    loop_work = _leaves.LOOP_WORK
-    _leaves.LOOP_WORK = 0 if c["looped"] else loop_work  # (the norms one example at a time)
+    loop_work = _norms.LOOP_WORK
+    _norms.LOOP_WORK = 0 if c["looped"] else loop_work  # (the norms one example at a time)
     try:
         assert check(*product_model(c), c["clip"], "['w']") == "ghost", c
     finally:
-        _leaves.LOOP_WORK = loop_work
+        _norms.LOOP_WORK = loop_work
 
 
 LOOKUPS = {  # (ways of looking up rows of a table, each with the mode JAX gives it)

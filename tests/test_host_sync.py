@@ -99,6 +99,7 @@ CASES: dict[str, object] = {
         ),
     ],
     "reraise_errors": "a context manager on the host, around a step (no device work of its own)",
+    "force_ghost_route": "a context manager on the host, around tracing (no device work)",
     "ScheduleState": "the state of a per-leaf clip with a schedule",
     "ZClipState": "the state of `zclip`",
     "metrics": "runs inside every transformation's step",

@@ -40,15 +40,20 @@ LAYERS = [
     # public names; nothing outside it imports it but `__init__`.
     ["ghost.__init__"],  # its docstring: the engine's map
     ["ghost._args"],  # `clipped_grad`'s arguments (jax_privacy's conventions), checked
+    ["ghost._batch"],  # a call's settings, its arguments as flat leaves, the examples' factors
     ["ghost._jaxprs"],  # reading the loss's jaxpr: calls, scans, where the gradient flows
     ["ghost._views"],  # views of a parameter: shape-only operations, scalings, scan entries
+    ["ghost._target"],  # the platform a step is lowered for, decided once per step
+    ["ghost._sites"],  # a use of a parameter: its kind and layout
+    ["ghost._factors"],  # a use's per-example gradient as factors; Grams; powers of two
+    ["ghost._products"],  # a product site's batch sum written as one product
+    ["ghost._rules"],  # the table of rules keyed by primitive
     ["ghost._trace"],  # where the parameters are used: sites and plans (the jaxpr walk)
     ["ghost._interpret"],  # the per-example loss evaluated with taps at the sites
-    ["ghost._factors"],  # closed-form squared norms from a use's factors, cross terms
-    ["ghost._pairs"],  # a leaf's norm over every pair of its uses, each scaled by its number
-    ["ghost._leaves"],  # each leaf's per-example norm: ghost or materialised
-    ["ghost._products"],  # a product site's batch sum written as one product
+    ["ghost._plans"],  # each leaf's route: ghost or materialised; `force_route`
+    ["ghost._norms"],  # each example's norm from the tapped pass
     ["ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)
+    ["ghost._materialised"],  # `method="vmap"`: every per-example gradient formed
     ["ghost._passes"],  # the ghost and the vmap passes: norms, weights, clipped sum
     ["ghost._eager"],  # an eager call run as one compiled program
     ["ghost._api", "ghost._report"],  # `clipped_grad`; `ghost_report`

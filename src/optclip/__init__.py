@@ -47,6 +47,7 @@ from optclip._zclip import zclip as zclip
 from optclip.ghost._api import AuxiliaryOutput as AuxiliaryOutput
 from optclip.ghost._api import ClippedGradFn as ClippedGradFn
 from optclip.ghost._api import clipped_grad as clipped_grad
+from optclip.ghost._plans import force_ghost_route as force_ghost_route
 from optclip.ghost._report import GhostReport as GhostReport
 from optclip.ghost._report import LeafReport as LeafReport
 from optclip.ghost._report import ghost_report as ghost_report
@@ -87,6 +88,7 @@ __all__ = [
     "clip_by_value",
     "clipped_grad",
     "clipped",
+    "force_ghost_route",
     "ghost_report",
     "global_clip",
     "global_norm",

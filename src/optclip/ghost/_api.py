@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip import _checks
-from optclip.ghost import _args, _eager, _passes
+from optclip.ghost import _args, _batch, _eager, _materialised, _passes
 
 
 class AuxiliaryOutput(NamedTuple):
@@ -236,13 +236,13 @@ def clipped_grad(
         _checks.check_bool(value, name)
     one = _args.per_example(fun, has_aux, batch, keep_batch_dim)
     ghost = method == "auto" and pre_clipping_transform is None
-    engine = _passes.ghost_pass if ghost else _passes.vmap_pass
+    engine = _passes.ghost_pass if ghost else _materialised.vmap_pass
     with_aux = has_aux or return_values or return_grad_norms
 
     def finish(one, args, kwargs, padding, s):
         size = padding.shape[0]
         # (a batch of no examples: nothing to compute, its shapes are vmap's to give)
-        chosen = engine if size else _passes.vmap_pass
+        chosen = engine if size else _materialised.vmap_pass
         grads, norms, values, aux = _microbatched(
             chosen, one, args, kwargs, padding, s, size, microbatch_size
         )
@@ -265,7 +265,7 @@ def clipped_grad(
         size = _args.batch_size(args, kwargs, batch)
         padding = _args.padding_mask(is_padding_example, size)
         args = _args.split_keys(args, prng_argnum, size)
-        s = _passes.Settings(
+        s = _batch.Settings(
             argnums,
             argnum_tuple,
             _args.in_axes(len(args), batch, prng_argnum),

@@ -1,11 +1,10 @@
 """An eager call of `clipped_grad` run as one compiled program.
 
 Called outside any transformation, the engine's operations would run one at a time, each
-compiled on its own the first time it meets its shapes: the test MLP's first eager call took
-7.2 s against 2.3 s for the same step under `jax.jit`, the transformer's 17.3 s against 8.8
-s, and a warm eager call of the transformer 1.8 s. So an eager call traces the per-example
-loss now (as the engine would), and runs the engine on that trace under one `jax.jit`, kept
-by the `clipped_grad` function for the next call that traces the same.
+compiled on its own the first time it meets its shapes, several times slower than the same
+step under `jax.jit` (the design notes have the measurements). So an eager call traces the
+per-example loss now (as the engine would), and runs the engine on that trace under one
+`jax.jit`, kept by the `clipped_grad` function for the next call that traces the same.
 
 What the compiled program depends on is its key: the loss's jaxpr as text (its operations,
 the numbers written in it, the shapes), the shapes and dtypes of what it is traced with, the
@@ -26,7 +25,7 @@ import collections
 import jax
 
 from optclip import _checks
-from optclip.ghost import _passes, _views
+from optclip.ghost import _batch, _views
 
 # Programs a `clipped_grad` function keeps (the least recently used is dropped).
 LIMIT = 8
@@ -52,10 +51,10 @@ class Programs:
         self.finish = finish
         self.kept: collections.OrderedDict = collections.OrderedDict()
 
-    def __call__(self, one, args, kwargs, padding, s: _passes.Settings):
-        flat = _passes.flatten(args, kwargs, s)
-        single = _passes.one_example(flat)
-        closed, out_shape = jax.make_jaxpr(_passes.flat_loss(one, flat), return_shape=True)(*single)
+    def __call__(self, one, args, kwargs, padding, s: _batch.Settings):
+        flat = _batch.flatten(args, kwargs, s)
+        single = _batch.one_example(flat)
+        closed, out_shape = jax.make_jaxpr(_batch.flat_loss(one, flat), return_shape=True)(*single)
         if not is_eager(closed.consts):  # (it closes over a value traced by a caller)
             return self.finish(one, args, kwargs, padding, s)
         constvars = closed.jaxpr.constvars

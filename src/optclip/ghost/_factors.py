@@ -1,38 +1,37 @@
-r"""Per-example squared norms of a parameter's gradient from its uses' factors, in closed form.
+r"""A closed-form use's per-example gradient as factors, and the products its norm is made of.
 
-A dense or embedding use's per-example gradient (in the leaf's own dimensions, see
-`_trace.Site.layout`) is, per head ``h``,
+A dense, convolution or embedding use's per-example gradient (in the leaf's dimensions, see
+`_sites.Layout`) is, per head ``h``,
 
 .. math:: g_{h} = \sum_k x_{hk} \otimes y_{hk}
 
-with ``x`` built from the recorded operand (the layer's input; a one-hot row for a lookup) and
-``y`` from the output gradient. For uses ``u, v`` of one leaf,
-``<g^u, g^v> = sum_h sum_{k,l} (x^u_{hk} . x^v_{hl}) (y^u_{hk} . y^v_{hl})`` (the Gram route), or
-for one use ``||sum_k x_k (outer) y_k||^2`` directly when that is fewer operations. Nothing of
-the size batch x parameter is formed on the Gram route.
+with ``x`` built from the recorded operand (the layer's input, a convolution's patches, a
+lookup's one-hot rows) and ``y`` from the output gradient. A factor's values have shape ``(L,
+B, H, K, S)``: the layers of the scans that slice the weight, the examples, the operation's
+own heads, the summed rows and the features, the order in which the tapped pass stacks records
+and output gradients: a dense layer's factors are its record and output gradient reshaped.
 
-A factor's values have shape ``(L, B, H, K, S)``: the layers of the scans the use is inside (the
-stacked layers, each a head of its own), the examples, the heads of the operation itself (a
-`dot_general` batch dimension), the summed rows and the features. That is the order in which the
-tapped pass stacks records and output gradients, so that in the common case (a dense layer in
-or outside a scan) the factors are the records and output gradients themselves, reshaped, with
-nothing moved. Terms come out per layer and example, shape ``(L, B)``, and `over_layers` adds
-the layers up.
+For uses ``u, v`` of one leaf, ``<g^u, g^v> = sum_h sum_{k,l} (x^u_{hk} . x^v_{hl})
+(y^u_{hk} . y^v_{hl})`` (`pair_term`, the Gram route), or for one use ``||sum_k x_k (outer)
+y_k||^2`` directly (`self_term` with ``direct``), which `_plans.route` picks when it is fewer
+operations. Terms come out per layer and example, shape ``(L, B)``.
 
-Every factor is divided by a power of two near its largest magnitude (per layer and example), so
-that no product overflows or underflows; a term is carried as ``(exponent, value)``, its
-squared norm being ``value * 4**exponent``.
+Powers of two are built from their bits (`powers_of_two`, `exponent`): exact, a few integer
+operations each, where ``jnp.ldexp`` and ``jnp.frexp`` are dozens of operations in the
+program.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+
+from optclip.ghost import _sites
 
 HIGHEST = lax.Precision.HIGHEST
 _RANK = {None: 0, lax.Precision.DEFAULT: 0, lax.Precision.HIGH: 1, HIGHEST: 2}
@@ -44,15 +43,16 @@ _PRESETS = {
     "BF16_BF16_F32_X3": lax.Precision.HIGH,
     "TF32_TF32_F32": lax.Precision.HIGH,
 }
+# The exponent of a zero: below every other, yet far from int32's limits when a few are added.
+ZERO_EXPONENT = -(2**20)
 
 
 def product_precision(precision):
     """The `lax.Precision` (None: JAX's default) of a use's Grams, from the `precision` of the
-    model's product they stand for (a `dot_general`'s or a convolution's): that precision, so
-    that the norms are computed as the product is, and cost what it costs (at JAX's default on
-    a GPU, TF32 where float32 would be several times slower). A pair (one per operand) gives
-    the higher; an algorithm preset the `lax.Precision` of its accuracy; any other algorithm
-    HIGHEST."""
+    model's product they stand for: that precision, so that the norms are computed as the
+    product is, and cost what it costs (at JAX's default on a GPU, TF32 where float32 would be
+    several times slower). A pair (one per operand) gives the higher; an algorithm preset the
+    `lax.Precision` of its accuracy; any other algorithm HIGHEST."""
     if precision is None or isinstance(precision, lax.Precision):
         return precision
     if isinstance(precision, tuple) and all(isinstance(p, lax.Precision) for p in precision):
@@ -65,112 +65,85 @@ def higher(*precisions):
     return max(precisions, key=lambda p: _RANK[p])
 
 
-@dataclasses.dataclass
-class Factor:
-    """One side of a use's outer products: `values` of shape ``(L, B, H, K, S)``, or for a
-    lookup's one-hot side `ids` of shape ``(L, B, H, K)`` into `size` rows; `exponent` (int32,
-    ``(L, B)``) is that of a power of two near the largest magnitude of each layer of each
-    example (`magnitude`; 0 for a one-hot side, which is never scaled); `precision` that of
-    its Grams (`product_precision`: a Gram of two factors takes the higher)."""
+class Factor(NamedTuple):
+    """One side of a use's outer products: `values` of shape ``(L, B, H, K, S)`` in the
+    accumulation dtype, or for a lookup's one-hot side `ids` of shape ``(L, B, H, K)`` into
+    `size` rows; `precision` that of its Grams (a Gram of two factors takes the higher)."""
 
     values: Any = None
     ids: Any = None
     size: int = 0
-    exponent: Any = None
     precision: Any = HIGHEST
 
     @property
     def shape(self) -> tuple:
-        """``(L, B, H, K, S)``; S is 1 for a one-hot side (its Gram is exact)."""
+        """``(L, B, H, K, S)``; S is 1 for a one-hot side."""
         return self.values.shape if self.values is not None else (*self.ids.shape, 1)
 
-    def scaled(self) -> Factor:
-        """The factor divided by ``2**exponent`` (its largest magnitude in [0.5, 1)), as two
-        halves: ``2**-exponent`` itself is subnormal for a factor past ``2**126``, and XLA on
-        a CPU flushes it to zero."""
-        if self.values is None:
-            return self
-        e = jnp.where(self.exponent == ZERO_EXPONENT, 0, self.exponent)  # (a zero stays 0)
-        e = e.reshape(e.shape + (1,) * (self.values.ndim - 2))
-        first, second = powers_of_two(-e, self.values.dtype)
-        values = (self.values * first) * second
-        return dataclasses.replace(self, values=values)
+
+def _ints(dtype):
+    return {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[jnp.finfo(dtype).bits]
 
 
-# The exponent of a zero factor or norm: below every other (a zero must not set the scale that
-# the other terms are expressed in), yet far from int32's limits when a few are added.
-ZERO_EXPONENT = -(2**20)
+def exponent(m):
+    """The int32 `e` with ``2**(e-1) <= m < 2**e`` of each magnitude `m` (>= 0, a float):
+    read from its bits; `ZERO_EXPONENT` for 0 (and a subnormal, which XLA flushes); above
+    every finite one's for inf and NaN."""
+    info = jnp.finfo(m.dtype)
+    bits = lax.bitcast_convert_type(m, _ints(m.dtype))
+    field = (bits >> info.nmant) & ((1 << (info.bits - 1 - info.nmant)) - 1)
+    field = field.astype(jnp.int32)
+    return lax.select(field == 0, lax.full_like(field, ZERO_EXPONENT), field - (info.maxexp - 2))
 
 
 def powers_of_two(k, dtype):
-    """``2**k`` in the floating `dtype` as two factors, ``2**(k//2)`` and ``2**(k - k//2)``, to
-    multiply by one after the other: each is exact (built from its bits) and normal for any
-    integer ``k`` within twice `dtype`'s normal exponents, where ``2**k`` itself may be
-    subnormal (XLA on a CPU flushes it to zero) or overflow."""
+    """``2**k`` in the floating `dtype` as two factors, ``2**(k//2)`` and ``2**(k - k//2)``,
+    to multiply by one after the other: each is exact (built from its bits) and normal, for
+    any integer `k` within twice `dtype`'s normal exponents, where ``2**k`` itself may be
+    subnormal (XLA on a CPU flushes it to zero) or overflow. Beyond that each half saturates
+    at `dtype`'s smallest or largest normal power of two."""
     info = jnp.finfo(dtype)
-    ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
-    k = jnp.asarray(k).astype(ints)
-    bits = lambda n: lax.bitcast_convert_type((n + (info.maxexp - 1)) << info.nmant, dtype)  # noqa: E731
-    return bits(k // 2), bits(k - k // 2)
+    ints = _ints(dtype)
+    k = jnp.asarray(k).astype(jnp.int32)
+    low, high = info.minexp - 1, info.maxexp - 1
+
+    def bits(h):
+        h = lax.clamp(np.int32(low), h, np.int32(high)).astype(ints)
+        return lax.bitcast_convert_type((h + ints(info.maxexp - 1)) << ints(info.nmant), dtype)
+
+    half = k >> 1  # (floor division by 2, negative `k` included)
+    return bits(half), bits(k - half)
+
+
+def magnitude(f: Factor):
+    """The largest magnitude of each layer of each example of `f` (shape ``(L, B)``; 1 for a
+    one-hot side): one reduction of ``|x|``."""
+    if f.values is None:
+        return jnp.ones(f.ids.shape[:2], jnp.float32)
+    x = f.values
+    if not x.size:
+        return jnp.zeros(x.shape[:2], x.dtype)
+    return jnp.max(jnp.abs(x.reshape(*x.shape[:2], math.prod(x.shape[2:]))), axis=2)
+
+
+def divided(f: Factor, e) -> Factor:
+    """`f` divided by ``2**e`` per layer and example (``(L, B)``; a zero's `e`, and a one-hot
+    side, left as they are): exact, two multiplies by normal powers of two."""
+    if f.values is None:
+        return f
+    e = lax.select(e == ZERO_EXPONENT, lax.full_like(e, 0), e)
+    e = e.reshape(e.shape + (1,) * (f.values.ndim - 2))
+    first, second = powers_of_two(-e, f.values.dtype)
+    return f._replace(values=(f.values * first) * second)
 
 
 def squares(x, acc) -> Factor:
-    """A per-example gradient `x` (shape ``(B, ...)``) as a factor whose `square_terms` are
-    its squared norms."""
-    return factor(x.reshape(1, x.shape[0], 1, 1, math.prod(x.shape[1:])), acc)
-
-
-def square_terms(f: Factor, scaled: bool = True):
-    """``(exponent, value)`` of each example's sum of squares of `f` (`squares`): divided by
-    its magnitude first with `scaled` (exact at every magnitude), else as it is (exponent 0;
-    the same values where `safe_squares`: a power of two divides exactly)."""
-    if scaled:
-        f = f.scaled()
-    exponent = f.exponent[0] if scaled else jnp.zeros_like(f.exponent[0])
-    return exponent, jnp.sum(jnp.square(f.values), axis=(2, 3, 4))[0]
-
-
-def safe_squares(f: Factor):
-    """Per example: True where `square_terms` needs no division by the magnitude, by the bound
-    ``|x| < 2**e``: the sum of squares stays below ``2**100`` (`safe`'s room), and the squares
-    that flush (below ``2**-126``) add up to less than ``2**-26`` of the largest square's scale
-    ``2**(2e-2)``."""
-    size = f.values.shape[4]
-    e = f.exponent[0].astype(jnp.float32)  # (exact; beside Python floats under strict promotion)
-    fits = (2 * e + math.log2(size) <= 100) & (2 * e >= math.log2(size + 1) - 98)
-    return fits | (e == ZERO_EXPONENT)
-
-
-def factor(x, acc, precision=HIGHEST) -> Factor:
-    """`x` (shape ``(L, B, H, K, S)``) in `acc`, as a `Factor` with its `magnitude`, its Grams
-    at `precision`."""
-    x = x.astype(acc)
-    return Factor(x, exponent=magnitude(x), precision=precision)
-
-
-def magnitude(x):
-    """The exponent (int32, shape ``(L, B)``) of a power of two near the largest magnitude of
-    each layer of each example of `x` (``(L, B, ...)``): ``2**(e-1) <= max|x| < 2**e``; 0 where
-    that is not finite (nothing to scale), `ZERO_EXPONENT` where it is 0."""
-    flat = x.reshape(*x.shape[:2], math.prod(x.shape[2:]))
-    largest = lax.platform_dependent(flat, cpu=_largest_apart, default=_largest_at_once)
-    _, exponent = jnp.frexp(largest)
-    exponent = jnp.where(jnp.isfinite(largest), exponent, 0)
-    return jnp.where(largest == 0, ZERO_EXPONENT, exponent).astype(jnp.int32)
-
-
-def _largest_apart(flat):
-    """``max |x|`` over the last axis (0 for none) from the largest and the smallest entry,
-    two reductions: XLA on the CPU runs each 5x faster than one reduction of ``|x|``."""
-    return jnp.maximum(jnp.max(flat, axis=2, initial=0), -jnp.min(flat, axis=2, initial=0))
-
-
-def _largest_at_once(flat):
-    """``max |x|`` over the last axis (0 for none), one reduction: one read of the factor on a
-    GPU (the two reductions of `_largest_apart` took 0.07x of the non-private step in the
-    transformer's ghost step at 256 on an H100: `benchmarks/private_parts.py`'s ``check
-    without cond`` against ``batched, unchecked``)."""
-    return jnp.max(jnp.abs(flat), axis=2, initial=0)
+    """A per-example gradient `x` (shape ``(B, ...)``) as a factor of one layer, one head and
+    one row, whose self term by the direct route is its sum of squares."""
+    x = x.reshape(1, x.shape[0], 1, 1, math.prod(x.shape[1:]))
+    if jnp.iscomplexobj(x):  # (|z|**2 = re**2 + im**2: both parts as features)
+        x = jnp.concatenate([jnp.real(x), jnp.imag(x)], axis=4)
+    return Factor(x.astype(acc))
 
 
 def arrange(x, sliced, groups):
@@ -198,16 +171,11 @@ def arrange(x, sliced, groups):
     return x.reshape(sizes)
 
 
-def dense_factors(record, grad, eqn, pos: int, acc, sliced=()):
-    """The factors ``(x, y)`` of a `dot_general` whose operand `pos` is the view:
-    `record` is the other operand, `grad` the output gradient, both laid out ``(*levels, B,
-    ...)`` (one level per enclosing scan); `sliced` says per level whether the view is sliced
-    along it (stacked layers) or the same at every iteration (its uses are summed)."""
-    a_batch, a_free, a_contract, out_a, out_v = dense_dims(eqn, pos)
-    precision = product_precision(eqn.params["precision"])
-    x = factor(arrange(record, sliced, (a_batch, a_free, a_contract)), acc, precision)
-    y = arrange(grad, sliced, (tuple(range(len(a_batch))), out_a, out_v))
-    return x, factor(y, acc, precision)
+def sliced_levels(site) -> tuple:
+    """Per scan the site is inside, whether its view is sliced along it (stacked layers)
+    rather than the same at every iteration (whose uses are summed)."""
+    mapped = site.views[0][1].leaf_dims()
+    return tuple(level is not None for level in mapped[1])
 
 
 def dense_dims(eqn, pos: int):
@@ -230,17 +198,29 @@ def dense_dims(eqn, pos: int):
     return a_batch, a_free, a_contract, out_a, out_v
 
 
-def conv_factors(record, grad, eqn, acc, sliced=()):
+def dense_factors(site, record, grad, acc):
+    """The factors ``(x, y)`` of a `dot_general` site: `record` is the other operand, `grad`
+    the output gradient, both laid out ``(*levels, B, ...)`` (one level per enclosing scan)."""
+    pos = site.views[0][0]
+    a_batch, a_free, a_contract, out_a, out_v = dense_dims(site.eqn, pos)
+    precision = product_precision(site.eqn.params["precision"])
+    sliced = sliced_levels(site)
+    x = arrange(record, sliced, (a_batch, a_free, a_contract))
+    y = arrange(grad, sliced, (tuple(range(len(a_batch))), out_a, out_v))
+    return Factor(x.astype(acc), precision=precision), Factor(y.astype(acc), precision=precision)
+
+
+def conv_factors(site, record, grad, acc):
     """The factors of a convolution by the kernel: each output position's input patch (`x`,
     ``lax.conv_general_dilated_patches``: features ordered input feature first, then the
     window) and output gradient (`y`), a head per feature group (its input features' patches,
-    its output features). `record` and `grad` are laid out ``(*levels, B, ...)`` (one level per
-    enclosing scan), `sliced` as for `dense_factors`."""
-    p = eqn.params
+    its output features)."""
+    p = site.eqn.params
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
-    kernel = eqn.invars[1].aval.shape
+    kernel = site.eqn.invars[1].aval.shape
     window = tuple(kernel[d] for d in rhs_spec[2:])
     groups = p["feature_group_count"]
+    sliced = sliced_levels(site)
     lead = len(sliced) + 1  # (the levels and the examples)
 
     def patches(lhs):  # one example: (N, C * prod(window), *out spatial)
@@ -262,18 +242,20 @@ def conv_factors(record, grad, eqn, acc, sliced=()):
     at = ((1,), (0,), (2,))  # (rows, heads, features: the heads are the groups)
     x = x.reshape(*record.shape[:lead], -1, groups, x.shape[-1] // groups)
     y = y.reshape(*grad.shape[:lead], -1, groups, y.shape[-1] // groups)
-    x = factor(arrange(x, sliced, at), acc, precision)
-    return x, factor(arrange(y, sliced, at), acc, precision)
+    x, y = arrange(x, sliced, at), arrange(y, sliced, at).astype(acc)
+    return Factor(x, precision=precision), Factor(y, precision=precision)
 
 
-def embed_factors(indices, grad, eqn, found, acc):
-    """The factors of an embedding lookup (outside scans), `found` its `_trace.Lookup`: one-hot
-    rows (the row index of each index vector) and the output gradient's rows, whose Grams are
-    at HIGHEST precision (the lookup's gradient is a sum of those rows: no product's rounding
-    to follow). An index out of range is clamped where the lookup's mode clips, else its row
-    is dropped (as is a row whose column index is not 0, the only start of a whole row), as
-    JAX's gradient of the lookup drops it: ``table[ids]``'s promise that ids are in range
-    reads the nearest row, but its gradient (a scatter) drops an index out of range."""
+def embed_factors(site, indices, grad, acc):
+    """The factors of an embedding lookup (outside scans): one-hot rows (the row index of each
+    index vector) and the output gradient's rows, whose Grams are at HIGHEST precision (the
+    lookup's gradient is a sum of those rows: no product's rounding to follow). An index out
+    of range is clamped where the lookup's mode clips, else its row is dropped (as is a row
+    whose column index is not 0, the only start of a whole row), as JAX's gradient of the
+    lookup (a scatter) drops it."""
+    eqn = site.eqn
+    found = _sites.lookup(eqn, site.views[0][0])
+    assert found is not None  # (an embed site is a lookup of rows)
     rows = eqn.invars[0].aval.shape[found.row]
     batch = indices.shape[0]
     ids = indices[..., found.row_index].reshape(1, batch, 1, -1)
@@ -283,9 +265,7 @@ def embed_factors(indices, grad, eqn, found, acc):
         if found.column_index is not None:
             inside &= indices[..., found.column_index].reshape(ids.shape) == 0
         y = jnp.where(inside[..., None], y, jnp.zeros((), y.dtype))
-    ids = jnp.clip(ids, 0, rows - 1)
-    one_hot = Factor(ids=ids, size=rows, exponent=jnp.zeros_like(ids[:, :, 0, 0]))
-    return one_hot, factor(y, acc)
+    return Factor(ids=jnp.clip(ids, 0, rows - 1), size=rows), Factor(y.astype(acc))
 
 
 def gram(a: Factor, b: Factor, acc):
@@ -303,86 +283,27 @@ def gram(a: Factor, b: Factor, acc):
 
 
 def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
-    """``<g1, g2>`` per layer and example (scaled by the factors' exponents), by the Gram
-    route."""
+    """``<g1, g2>`` per layer and example, by the Gram route."""
+    if x1.shape[3] == 1 and x2.shape[3] == 1 and x1.values is not None and x2.values is not None:
+        # one row each (a dense layer on one vector per example): the Grams are inner
+        # products, whose reductions XLA fuses with anything that divides the factors
+        p = jnp.sum(x1.values * x2.values, axis=4)
+        q = jnp.sum(y1.values * y2.values, axis=4) if y1.values is not None else None
+        if q is not None:
+            return jnp.sum(p * q, axis=(2, 3))
     # (the barrier: XLA on the CPU otherwise fuses both Grams and their product into one loop,
     # 1.5 to 2 times slower than the three apart)
     p, q = lax.optimization_barrier((gram(x1, x2, acc), gram(y1, y2, acc)))
     return jnp.sum(p * q, axis=(2, 3, 4))
 
 
-def self_term(x: Factor, y: Factor, acc):
-    """``||g||^2`` per layer and example: directly (``sum_k x_k y_k^T``, then its squares)
-    where that takes fewer operations than the Gram route, else by the Gram route."""
-    if x.values is not None and y.values is not None:
-        k, c = x.values.shape[3:]
-        f = y.values.shape[4]
-        if k * (c + f) > c * f:
-            precision = higher(x.precision, y.precision)
-            g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=precision)
-            # (no `optimization_barrier` before the squares: with one, XLA 0.10.2 on a CPU
-            # computed wrong sums of squares of one example's product, nondeterministically:
-            # a 1x1 convolution of 64 features over an 8x8 image was 1.1e-3 off, a
-            # depthwise-separable network 0.28-1.99 off; without it, exact, and 1.08x slower
-            # on the benchmark's convnet at 16)
-            return jnp.sum(jnp.square(g), axis=(2, 3, 4))
+def self_term(x: Factor, y: Factor, acc, direct: bool):
+    """``||g||^2`` per layer and example: with `direct`, as ``sum_k x_k y_k^T`` and then its
+    squares; else by the Gram route."""
+    if direct and x.values is not None and y.values is not None:
+        precision = higher(x.precision, y.precision)
+        g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=precision)
+        # (no `optimization_barrier` before the squares: with one, XLA 0.10.2 on a CPU computed
+        # wrong sums of squares of one example's product, nondeterministically)
+        return jnp.sum(jnp.square(g), axis=(2, 3, 4))
     return pair_term(x, y, x, y, acc)
-
-
-def safe(x: Factor, y: Factor):
-    """Per layer and example (``(L, B)``): True where the use's terms can be computed without
-    dividing its factors by their magnitudes, by the bounds ``|x| < 2**ex``, ``|y| < 2**ey``:
-    no product or sum overflows float32, nor does a sum of up to ``2**27`` such terms (each
-    at most ``2**100``); and the products small enough to flush to zero (below ``2**-126``)
-    change it by less than ``2**-26`` of its largest product's scale, ``(2**(ex-1) *
-    2**(ey-1))**2``, by either route (the Grams', whose flushed entries are multiplied by the
-    other factor's, or the direct one's). Zero and non-finite factors are safe (their terms are
-    0, or not finite, either way)."""
-    (_, _, h, k, sx), sy = x.shape, y.shape[4]
-    size = math.log2(h * k * k * (sx + 1) * (sy + 1))  # >= log2 of every count of products
-    ex, ey = x.exponent.astype(jnp.float32), y.exponent.astype(jnp.float32)  # (as above)
-    fits = (2 * (ex + ey) + size <= 100) & (2 * (ex + ey) >= size - 96) & (ex + ey >= size - 94)
-    for e, s in ((ex, sx), (ey, sy)):  # each factor's own Gram
-        fits &= (2 * e + math.log2(s) <= 110) & (2 * e >= size - 96)
-    return fits | (ex == ZERO_EXPONENT) | (ey == ZERO_EXPONENT)
-
-
-def _counted(exponent, value):
-    """The exponent a term sets the scale of a sum by: its own, or `ZERO_EXPONENT` where its
-    value is 0 (an unused leaf's, a leaf scaled by 0, a gradient whose rows cancel exactly,
-    whose factors' exponents may be large): a zero must not set the scale, or every other
-    term below it by more than float32's range flushes to 0."""
-    return jnp.where(value == 0, ZERO_EXPONENT, exponent)
-
-
-def over_layers(term):
-    """The sum over the layers (axis 0) of squared norms given as ``(exponent, value)``."""
-    exponent, value = term
-    top = jnp.max(_counted(exponent, value), axis=0)
-    return top, jnp.sum(_at_scale(value, exponent, top), axis=0)
-
-
-def add_terms(terms):
-    """The sum of squared norms given as ``(exponent, value)``, as ``(exponent, value)``."""
-    top = _counted(*terms[0])
-    for e, v in terms[1:]:
-        top = jnp.maximum(top, _counted(e, v))
-    return top, sum(_at_scale(v, e, top) for e, v in terms)
-
-
-def _at_scale(value, exponent, top):
-    """``value * 4**exponent`` as a multiple of ``4**top``; a zero unshifted (below a `top` of
-    `ZERO_EXPONENT` the shift's derivative is infinite: NaN in the gradient through norms)."""
-    return jnp.ldexp(value, jnp.where(value == 0, 0, 2 * (exponent - top)))
-
-
-def combine(terms):
-    """The norms (shape (B,)) of sums of squared norms given as ``(exponent, value)``."""
-    top, total = add_terms(terms)
-    return jnp.ldexp(_root(total), top)
-
-
-def _root(total):
-    """``sqrt(total)``, its derivative 0 at 0 (as the materialising way's norm), not NaN: the
-    gradient through `clipped_grad` passes through the norms. NaN and infinity keep theirs."""
-    return jnp.where(total == 0, 0, jnp.sqrt(jnp.where(total == 0, 1, total))).astype(total.dtype)

@@ -20,7 +20,7 @@ from jax import lax
 from jax.experimental import layout
 from jax.extend import core as jcore
 
-from optclip.ghost import _jaxprs, _trace
+from optclip.ghost import _factors, _jaxprs, _sites
 
 try:  # (no public way to bind under an equation's source line; without it, none is kept)
     from jax._src import source_info_util
@@ -28,22 +28,24 @@ except ImportError:  # pragma: no cover
     source_info_util = None  # type: ignore[assignment]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Tapped:
-    """What the tapped pass gives: the losses and aux; `records` and `grads` (the output
-    gradients, a tuple per site) of the tapped sites, laid out ``(*levels, B, ...)`` (the layers
-    of the scans the site is inside, then the examples, as a scan stacks them: the examples'
-    axis of each is in `axes`, by record key and by site id); the materialised leaves'
-    per-example gradients ``{leaf: (B, *shape)}``; the leaves' plans and values."""
+    """What the tapped pass gives: the losses and aux; `records` (``{record key: (array,
+    exponent)}``) and `grads` (the output gradients, ``{site id: tuple of (array,
+    exponent)}``) of the tapped sites, each `normalized` per layer and example: the arrays laid
+    out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the examples, as
+    a scan stacks them: the examples' axis of each is in `record_axes` and `grad_axes`), the
+    exponents ``(*levels, B)``; the materialised leaves' per-example gradients ``{leaf: (B,
+    *shape)}``; the parameter leaves' values."""
 
     losses: Any
     aux: Any
     records: dict
     grads: dict
     example_grads: dict
-    plans: list
     leaves: list
-    axes: dict  # {"records": {key: axis}, "grads": {site id: axis}}
+    record_axes: dict  # {record key: the examples' axis}
+    grad_axes: dict  # {site id: the examples' axis}
 
     @property
     def size(self) -> int:
@@ -64,21 +66,24 @@ class Tapped:
             if x.dtype == jnp.bfloat16:
                 # XLA on a CPU slices a bfloat16 array in float32: in a loop over the examples
                 # it hoisted a float32 copy of the whole array out of the loop. The array tied
-                # to `b` is not loop-invariant (the benchmark's transformer in bfloat16 at 256:
-                # 1.20x the non-private step's memory, 1.05x so; a float32 array is left alone:
-                # the barrier cost the float32 transformer 6% of its step's time at 16).
+                # to `b` is not loop-invariant (a float32 array is left alone: the barrier
+                # costs time).
                 x, at = lax.optimization_barrier((x, b))
                 return lax.dynamic_slice_in_dim(x, at, 1, axis=axis)
             return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)
 
-        records = {k: cut(x, self.axes["records"][k]) for k, x in self.records.items()}
-        grads = {
-            i: tuple(cut(g, self.axes["grads"][i]) for g in gs) for i, gs in self.grads.items()
-        }
-        example_grads = {k: cut(g, 0) for k, g in self.example_grads.items()}
-        losses = cut(self.losses, 0)
         return dataclasses.replace(
-            self, losses=losses, records=records, grads=grads, example_grads=example_grads
+            self,
+            losses=cut(self.losses, 0),
+            records={
+                k: tuple(cut(a, self.record_axes[k]) for a in pair)
+                for k, pair in self.records.items()
+            },
+            grads={
+                i: tuple(tuple(cut(a, self.grad_axes[i]) for a in pair) for pair in gs)
+                for i, gs in self.grads.items()
+            },
+            example_grads={k: cut(g, 0) for k, g in self.example_grads.items()},
         )
 
 
@@ -107,34 +112,51 @@ def bind(eqn, invals):
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+# The exponent stored for a record or output gradient that is not finite (its values zeroed):
+# above every other, so that a sum of exponents that includes it stays above `FLAGGED`.
+FLAG = 2**22
+FLAGGED = 2**21
+
+
+def normalized(x):
+    """`x` divided by a power of two near its largest magnitude (its largest in [0.5, 1)), and
+    the exponent ``e`` of that power (``2**(e-1) <= max|x| < 2**e``, int32): exact, a power
+    of two divides exactly. `_factors.ZERO_EXPONENT` for an `x` that is 0; for one with an
+    entry not finite, zeros and `FLAG`. Anything not floating is returned as it is, exponent
+    0. The records and output gradients are kept so, every one in its dtype's range: no
+    product of them the norms and sums form overflows or flushes."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return x, jnp.zeros((), jnp.int32)
+    e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
+    bad = e > jnp.finfo(x.dtype).maxexp
+    shift = lax.select(bad | (e == _factors.ZERO_EXPONENT), jnp.int32(0), e)
+    first, second = _factors.powers_of_two(-shift, x.dtype)
+    scaled = jnp.where(bad, jnp.zeros((), x.dtype), (x * first) * second)
+    return scaled, lax.select(bad, jnp.int32(FLAG), e)
+
+
 @jax.custom_vjp
-def tap(y, t):
-    """`y`, whose gradient is also `t`'s: the output gradient at a site comes out as the
-    gradient of its tap `t` (zeros of `y`'s shape), which the forward pass never reads (unlike
-    ``y + t``, nothing of `t`'s size is formed)."""
-    del t
+def tap(y, t, e):
+    """`y`, whose output gradient comes out as the gradients of its taps `t` (zeros of `y`'s
+    shape) and `e` (a zero per example): the output gradient `normalized` and its exponent.
+    The forward pass never reads `t` (unlike ``y + t``, nothing of its size is formed). The
+    output gradient is held row-major (`in_row_major`): XLA's GPU layout assignment otherwise
+    gave it, in a scanned layer with a materialised bias, the layout of that bias's
+    per-example sum, and transposed it for every reader; a CPU lays it out row-major
+    already."""
+    del t, e
     return y
 
 
-def _tap_forward(y, t):
-    del t
+def _tap_forward(y, t, e):
+    del t, e
     return y, None
 
 
 def _tap_backward(_, g):
-    g = _pinned(g)
-    return g, g
-
-
-def _pinned(g):
-    """The output gradient at a tapped site, held row-major on a GPU (`in_row_major`). XLA's GPU
-    layout assignment otherwise gives it, in a scanned layer with a materialised bias, the
-    layout of that bias's per-example sum (the summed rows minor): it then transposes the
-    residuals its producer reads, in every layer, and transposes the stacked gradients back
-    for the Grams and the clipped sums. In the transformer's ghost step at 256 on an H100,
-    0.15x of the non-private step (`benchmarks/private_parts.py`'s ``output gradients
-    unpinned``). A CPU lays it out row-major already."""
-    return lax.platform_dependent(g, cuda=in_row_major, rocm=in_row_major, default=lambda x: x)
+    g = in_row_major(g)
+    scaled, e = normalized(g)
+    return g, scaled, e.astype(jnp.float32)
 
 
 def in_row_major(x):
@@ -152,7 +174,7 @@ def _broadcast(site) -> bool:
     shape = eqn.outvars[0].aval.shape
     floats = all(_jaxprs.is_float(v) for v in eqn.invars)
     wide = any(eqn.invars[pos].aval.shape != shape for pos, _ in site.views)
-    return eqn.primitive.name in _trace.ELEMENTWISE and floats and wide
+    return eqn.primitive.name in _sites.ELEMENTWISE and floats and wide
 
 
 def _apart(eqn, positions):
@@ -196,12 +218,17 @@ def float_outputs(eqn):
 
 
 def tap_shapes(sites):
-    """One example's taps of `sites` (``{id: site}``): ``{site id: tuple of
-    ShapeDtypeStruct}``, one per floating output, stacked along the scans the site is in."""
+    """One example's taps of `sites` (``{id: site}``): ``{site id: tuple of (ShapeDtypeStruct,
+    ShapeDtypeStruct)}``, per floating output its own zeros and a zero for its exponent,
+    stacked along the scans the site is in."""
     return {
         i: tuple(
-            jax.ShapeDtypeStruct(
-                (*site.stack, *site.eqn.outvars[j].aval.shape), site.eqn.outvars[j].aval.dtype
+            (
+                jax.ShapeDtypeStruct(
+                    (*site.stack, *site.eqn.outvars[j].aval.shape),
+                    site.eqn.outvars[j].aval.dtype,
+                ),
+                jax.ShapeDtypeStruct(site.stack, jnp.float32),
             )
             for j in float_outputs(site.eqn)
         )
@@ -220,10 +247,11 @@ def recorded_positions(site):
     return [i for i in range(len(site.eqn.invars)) if i not in views]
 
 
-def run(jaxpr, consts, args, plan, taps, records):
+def run(jaxpr, consts, args, plan, taps, records, batched):
     """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
-    sites, filling `records` (``{record key: recorded operand}``, see `site_records`) with
-    theirs. Returns the outputs."""
+    sites, filling `records` (``{record key: (recorded operand, exponent)}``, `normalized`)
+    with theirs; `batched` holds the ids of the sites whose operands differ between examples
+    (`_trace.batched_sites`). Returns the outputs."""
     env: dict = {}
 
     def read(v):
@@ -237,7 +265,7 @@ def run(jaxpr, consts, args, plan, taps, records):
         invals = [read(v) for v in eqn.invars]
         subplan = plan.subplans.get(index)
         if subplan is not None and any(site.id in taps for site in subplan.all_sites()):
-            outs = _call(eqn, subplan, invals, taps, records)
+            outs = _call(eqn, subplan, invals, taps, records, batched)
         else:
             site = plan.sites.get(index)
             if site is not None and site.id not in taps and _broadcast(site):
@@ -246,17 +274,19 @@ def run(jaxpr, consts, args, plan, taps, records):
                 outs = bind(eqn, invals)
             if site is not None and site.id in taps:
                 for key, i in zip(site.records, recorded_positions(site), strict=True):
-                    records[key] = invals[i]
-                for t, j in zip(taps[site.id], float_outputs(eqn), strict=True):
-                    # (an output shared by the batch, `Site.batched`, made each example's)
-                    outs[j] = tap(outs[j], t) if site.batched else outs[j] + t
+                    if key not in records:
+                        records[key] = normalized(invals[i])
+                for (t, e), j in zip(taps[site.id], float_outputs(eqn), strict=True):
+                    # (an output shared by the batch, not in `batched`, made each example's)
+                    y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)
+                    outs[j] = tap(y, t, e)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn, subplan, invals, taps, records):
+def _scan(eqn, subplan, invals, taps, records, batched):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
     params = eqn.params
@@ -268,7 +298,7 @@ def _scan(eqn, subplan, invals, taps, records):
         xs, step_taps = x
         step_records: dict = {}
         args = [*invals[:consts], *state, *xs]
-        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records)
+        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, batched)
         return outs[:carry], (outs[carry:], step_records)
 
     state, (ys, scan_records) = lax.scan(
@@ -283,18 +313,18 @@ def _scan(eqn, subplan, invals, taps, records):
     return [*state, *ys]
 
 
-def _call(eqn, subplan, invals, taps, records):
+def _call(eqn, subplan, invals, taps, records, batched):
     """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
     if eqn.primitive.name == "scan":
-        return _scan(eqn, subplan, invals, taps, records)
+        return _scan(eqn, subplan, invals, taps, records, batched)
     jaxpr, consts = _jaxprs.sub_jaxpr(eqn)
     if eqn.primitive.name not in _jaxprs.REMATS:
-        return run(jaxpr, consts, invals, subplan, taps, records)
+        return run(jaxpr, consts, invals, subplan, taps, records, batched)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def block(invals, block_taps):
         block_records: dict = {}
-        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records)
+        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, batched)
         return outs, block_records
 
     remat = jax.checkpoint(

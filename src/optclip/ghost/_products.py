@@ -2,15 +2,12 @@
 as one product where JAX's own VJP of the batched equation computes it more slowly.
 
 A dense layer's (`dense_view_sum`): one `dot_general` contracting the examples, as ordinary
-backpropagation's. A convolution's (`conv_view_sum`): JAX's transposed convolution for the
+backpropagation's (JAX's VJP puts the output gradient first and transposes the product after
+it). A convolution's (`conv_view_sum`), on a CPU only: JAX's transposed convolution for the
 kernel (the input and the output gradient, their examples merged into the images, as the
 operands), with both operands transposed first into the layout XLA's CPU runtime convolves
-fastest (``NHWC`` by ``HWIO``), on a CPU only. JAX's VJP gives the same convolution in other
-layouts, which XLA on the CPU rearranges, except in a `lax.cond`'s branch, where the clipped
-sums are: there it ran 25x slower (a 3x3 kernel over 16 images of 32x32x32: 300 ms against
-12 ms), for grouped kernels as for others. Elsewhere the VJP's convolution is left to the
-backend's own layouts (not measured on a GPU: none was lent since convolutions' sums were
-written).
+fastest (``NHWC`` by ``HWIO``). Elsewhere the VJP's convolution is left to the backend's own
+layouts. The measurements behind both are in the design notes.
 """
 
 from __future__ import annotations
@@ -24,18 +21,19 @@ from jax import lax
 
 from optclip import _per_example
 from optclip.ghost import _factors
+from optclip.ghost._target import Target
 
 
-def dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
-    """The cotangent of a `dot_general`'s view (operand `pos`, `value` its stacked view) from
-    the batch's other operand `record` and output gradient `cotangent` (both laid out
+def dense_view_sum(site, value, record, cotangent, target: Target):
+    """The cotangent of a `dot_general` site's view (`value` its stacked view) from the
+    batch's other operand `record` and output gradient `cotangent` (both laid out
     ``(*levels, B, ...)``): one `dot_general` contracting the examples and the other operand's
     free dimensions (merged into one where they are adjacent, as ``(B*T, C)``), its output
     in the view's order where the view is the right operand (``x @ W``: no transpose). The
     VJP of the batched equation gives the same numbers, but puts the output gradient first
-    and transposes the product after it, which XLA on the CPU ran 1.24x slower on the MLP's
-    first layer (``benchmarks/private_parts.py --products``). A float16 or bfloat16 view's
-    product comes out in float32 (`pull_back` adds its layers there)."""
+    and transposes the product after it, which XLA on the CPU runs more slowly. A float16 or
+    bfloat16 view's product comes out in float32 (its layers are added there)."""
+    eqn, pos, depth = site.eqn, site.views[0][0], site.depth
     o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
@@ -74,7 +72,7 @@ def dense_view_sum(eqn, pos: int, value, record, cotangent, depth: int):
         # F32"); where it has one, it converts both operands to float32 first. So a CPU gets
         # the operands in float32 (the same numbers).
         upcast = lambda a, b: product(a.astype(work), b.astype(work))  # noqa: E731
-        out = lax.platform_dependent(record, cotangent, cpu=upcast, default=product)
+        out = upcast(record, cotangent) if target.cpu else product(record, cotangent)
     else:
         out = product(record, cotangent)
     perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
@@ -96,15 +94,18 @@ def _merged(x, summed: list, batch: list):
     return x, [start], [d if d < start else d - n + 1 for d in batch]
 
 
-def conv_view_sum(eqn, value, record, cotangent, depth: int):
-    """The cotangent of a convolution's kernel view (`value`, stacked over the `depth` levels
-    of the scans it is inside) from the batch's input `record` and output gradient
+def conv_view_sum(site, value, record, cotangent, target: Target):
+    """On a CPU (elsewhere None: JAX's VJP of the batched equation), the cotangent of a
+    convolution's kernel view (`value`, stacked over the `depth` levels of the scans it is
+    inside) from the batch's input `record` and output gradient
     `cotangent` (both laid out ``(*levels, B, ...)``): per level, the transposed convolution
     JAX's VJP forms for the kernel (``_conv_general_dilated_transpose_rhs``), the examples
     merged into the images, its operands laid out ``(C, *spatial, images)`` and ``(*spatial,
     images, O)`` and its output ``(I, *spatial, O)``. The levels (every level's kernel, summed
     by the view's chain where the kernel is the same at every step) one after another."""
-    p = eqn.params
+    if not target.cpu:
+        return None
+    p, depth = site.eqn.params, site.depth
     kernel_shape = value.shape[depth:]
     work = _per_example._work_dtype(value.dtype)
     if record.size == 0 or cotangent.size == 0:

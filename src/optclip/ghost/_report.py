@@ -8,7 +8,7 @@ import dataclasses
 import jax
 
 from optclip import _checks
-from optclip.ghost import _args, _leaves, _passes
+from optclip.ghost import _args, _batch, _passes, _plans
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ def ghost_report(
     _args.check_leaves(args, argnum_tuple, batch, "`ghost_report`")
     size = _args.batch_size(args, kwargs, batch)
     args = _args.split_keys(args, prng_argnum, size)
-    s = _passes.Settings(
+    s = _batch.Settings(
         argnums,
         argnum_tuple,
         _args.in_axes(len(args), batch, prng_argnum),
@@ -87,17 +87,17 @@ def ghost_report(
         None,
     )
     one = _args.per_example(fun, has_aux, batch, keep_batch_dim)
-    flat = _passes.flatten(args, kwargs, s)
+    flat = _batch.flatten(args, kwargs, s)
     _, _, plan = _passes.trace(one, flat)
-    plans = _leaves.plan_leaves(list(plan.all_sites()), sum(flat.params))
+    plans = _plans.plan_leaves(list(plan.all_sites()), sum(flat.params))
     if isinstance(argnums, int):
         paths = _paths(args[argnums])
     else:
         paths = [f"[{k}]{p}" for k, i in enumerate(argnum_tuple) for p in _paths(args[i])]
     report = GhostReport()
     for path, leaf in zip(paths, plans, strict=True):
-        ops = tuple(site.eqn.primitive.name for site, _, _ in leaf.uses)
-        report[path or "<array>"] = LeafReport(leaf.mode, ops, leaf.reason)
+        ops = tuple(use.site.eqn.primitive.name for use in leaf.uses)
+        report[path or "<array>"] = LeafReport(leaf.mode.value, ops, leaf.reason)
     return report
 
 
