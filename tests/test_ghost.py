@@ -574,7 +574,7 @@ def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monk
     assert_tree_close(grads, sums)
 
 
-@pytest.mark.parametrize("name", ["transformer", "tied", "conv", "recurrent", "conv_shared"])
+@pytest.mark.parametrize("name", ["tied", "transformer", "conv", "recurrent", "conv_shared"])
 def test_every_forced_route_gives_the_same_numbers(name):
     """`optclip.force_ghost_route`, the setting for bisecting a wrong number: every route
     (each leaf materialised, every ghost leaf by its Grams, or by its direct product) gives
@@ -603,7 +603,7 @@ def test_every_forced_route_gives_the_same_numbers(name):
 
 
 @pytest.mark.parametrize(
-    "name", ["transformer", "tied", "conv", "recurrent", "scanned", "mlp", "conv_shared"]
+    "name", ["tied", "transformer", "conv", "recurrent", "scanned", "mlp", "conv_shared"]
 )
 def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     # On a CPU, where one example's Grams are large (`_norms.LOOP_WORK` multiply-adds), the
