@@ -618,3 +618,13 @@ def test_the_compile_benchmark_measures_every_method_on_each_model(tmp_path):
     table = load("compile.py").markdown(rows)
     for r in rows:
         assert f"| {r['model']} | {r['method']} |" in table, table
+
+
+def test_the_guide_and_the_notes_show_the_saved_compile_run():
+    """The compile-time table of the private-training guide and of the build notes is the saved
+    run's (`benchmarks/results/compile_cpu.json`), as `compile.py --markdown` prints it."""
+    bench = load("compile.py")
+    rows = json.loads((ROOT / "benchmarks" / "results" / "compile_cpu.json").read_text())
+    table = bench.markdown(rows)
+    for page in ("docs/guides/private-training.md", "BUILD_NOTES.md"):
+        assert table in (ROOT / page).read_text(encoding="utf-8"), page

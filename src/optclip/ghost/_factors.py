@@ -115,6 +115,15 @@ def powers_of_two(k, dtype):
     return bits(half), bits(k - half)
 
 
+def power_of_two(k, dtype):
+    """``2**k`` in the floating `dtype`, built from its bits: exact for `k` within `dtype`'s
+    normal exponents (the caller's to ensure)."""
+    info = jnp.finfo(dtype)
+    ints = _ints(dtype)
+    k = jnp.asarray(k).astype(ints)
+    return lax.bitcast_convert_type((k + ints(info.maxexp - 1)) << ints(info.nmant), dtype)
+
+
 def magnitude(f: Factor):
     """The largest magnitude of each layer of each example of `f` (shape ``(L, B)``; 1 for a
     one-hot side): one reduction of ``|x|``."""

@@ -130,8 +130,10 @@ def normalized(x):
     e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
     bad = e > jnp.finfo(x.dtype).maxexp
     shift = lax.select(bad | (e == _factors.ZERO_EXPONENT), jnp.int32(0), e)
-    first, second = _factors.powers_of_two(-shift, x.dtype)
-    scaled = jnp.where(bad, jnp.zeros((), x.dtype), (x * first) * second)
+    # (``2**(2 - e)`` is a normal number for every normal largest entry's `e`, and the
+    # product, in [2, 4), times 1/4 is exact: one power of two built, not two halves)
+    up = _factors.power_of_two(2 - shift, x.dtype)
+    scaled = jnp.where(bad, jnp.zeros((), x.dtype), (x * up) * jnp.asarray(0.25, x.dtype))
     return scaled, lax.select(bad, jnp.int32(FLAG), e)
 
 

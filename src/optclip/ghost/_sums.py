@@ -14,10 +14,11 @@ gradient is smaller (``(w A)^T G``: the weighted copy is the small one). The mat
 leaves' sums are their per-example gradients contracted with the factors.
 
 The records and output gradients are normalized (`_interpret.normalized`): each example's
-factor is multiplied by the powers of two they were divided by, less one power of two per
-site and layer (`common_exponent`: the largest example's), so that the weighted side's
-largest entry is near 1 (never far below a float16's normal numbers), and the site's sum
-is multiplied by that power after its product, in float32 for a float16 or bfloat16 leaf. A record
+factor is multiplied by the powers of two they were divided by. Where a side is in a dtype
+whose normal numbers stop short of float32's (float16), one power of two per site and layer
+is taken out of the factors (`common_exponent`: the largest example's), so that the weighted
+side's largest entry is near 1, not among the dtype's coarse subnormal numbers, and the
+site's sum is multiplied by it after its product, in float32. A record
 or output gradient that was not finite was zeroed: a dropped example (factor 0) contributes
 exactly 0, a kept one (factor NaN) makes the sum NaN.
 """
@@ -74,6 +75,14 @@ def common_exponent(w, exponents):
         valid = (e < _interpret.FLAGGED) & (e > ZERO // 2) & (ew > ZERO // 2)
         top = jnp.maximum(top, jnp.max(jnp.where(valid, e + ew, 2 * ZERO), axis=-1))
     return jnp.where(top == 2 * ZERO, 0, top)
+
+
+def _narrow(dtype, wide) -> bool:
+    """Whether floating `dtype`'s normal numbers stop short of `wide`'s (float16 beside
+    float32): a weighted side in it is taken at the site's `common_exponent`. Elsewhere each
+    example's powers of two are folded into its factor, which then underflows only where its
+    contribution is below the sum's rounding."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).minexp > jnp.finfo(wide).minexp
 
 
 def _times_power(x, k):
@@ -141,7 +150,8 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     record = [record]
     cotangent = [g for g, _ in t.grads[site.id]]
     exponents = [exponent + e for _, e in t.grads[site.id]]
-    shift = common_exponent(w, exponents)
+    narrow = any(_narrow(x.dtype, w.dtype) for x in record + cotangent)
+    shift = common_exponent(w, exponents) if narrow else jnp.zeros((), jnp.int32)
     factors = [scaled(w, e, shift) for e in exponents]
     if _weights_record(site, record, cotangent):
         record[0] = _times(record[0], factors[0])
@@ -151,7 +161,7 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     written = None if rule is None or rule.view_sum is None else rule.view_sum
     product = written and written(site, values[0], record[0], cotangent[0], target)
     if product is not None:
-        return pull_back(site, t.leaves, [_times_power(product, shift)])
+        return pull_back(site, t.leaves, [_times_power(product, shift) if narrow else product])
     f = jax.vmap(
         equation(site),
         in_axes=(0, *([None] * len(values))),
@@ -161,7 +171,10 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     for length in reversed(site.stack):  # the layers of the scans, outermost first
         f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
     _, pull = jax.vjp(lambda *views: f(record, *views), *values)
-    return pull_back(site, t.leaves, [_times_power(ct, shift) for ct in pull(cotangent)])
+    cotangents = pull(cotangent)
+    if narrow:
+        cotangents = [_times_power(ct, shift) for ct in cotangents]
+    return pull_back(site, t.leaves, cotangents)
 
 
 def _ghost_sums(plans, t, w, target: Target, axis=None):
