@@ -389,22 +389,30 @@ def test_powers_of_two_are_exact_normal_halves_at_every_exponent(dtype):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_step_has_no_conditional_at_any_depth(dtype):
     """No `cond` per site, leaf or layer: the platform's route is chosen once per step (one
-    `lax.platform_dependent` at most, resolved when the step is lowered), overflow-safe
-    magnitudes and non-finite examples are handled by arithmetic. The count is the same for
-    a model of 1 and of 4 layers, and the compiled step has no conditional."""
+    `lax.platform_dependent` at most: a float32 model of dense layers makes no such choice, a
+    bfloat16 one does, for its products on a CPU), overflow-safe magnitudes and non-finite
+    examples are handled by arithmetic. The count is the same for a model of 1 and of 4
+    layers, and the compiled step has no conditional (XLA folds the platform's)."""
+    choices = 1 if dtype == jnp.bfloat16 else 0
 
     def conditionals(layers, platform):
         loss, params, x = gm.unrolled(np.random.default_rng(33), layers=layers, dtype=dtype)
         step = optclip.clipped_grad(loss, l2_clip_norm=1.0, nan_safe=True)
-        eqns = on_platform(jax.make_jaxpr(step)(params, x).jaxpr, platform)
-        return sum(eqn.primitive.name in ("cond", "while") for eqn, _ in eqns)
+        eqns = list(on_platform(jax.make_jaxpr(step)(params, x).jaxpr, platform))
+        loops = sum(eqn.primitive.name in ("cond", "while") for eqn, _ in eqns)
+        chosen = sum(eqn.primitive.name == "platform_index" for eqn, _ in eqns)
+        return loops, chosen
 
     for platform in ("cpu", "cuda"):
-        assert conditionals(1, platform) == conditionals(4, platform) == 0
-    loss, params, x = gm.unrolled(np.random.default_rng(33), layers=4, dtype=dtype)
-    lowered = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0)).lower(params, x)
-    assert "stablehlo.case" not in lowered.as_text() and "stablehlo.if" not in lowered.as_text()
-    assert "conditional(" not in lowered.compile().as_text()
+        assert conditionals(1, platform) == conditionals(4, platform) == (0, choices)
+    lowered = {}
+    for layers in (1, 4):
+        loss, params, x = gm.unrolled(np.random.default_rng(33), layers=layers, dtype=dtype)
+        lowered[layers] = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0)).lower(params, x)
+    cases = {k: v.as_text().count("stablehlo.case") for k, v in lowered.items()}
+    assert cases[1] == cases[4] and (cases[4] > 0) == bool(choices), cases
+    assert "stablehlo.if" not in lowered[4].as_text()
+    assert "conditional(" not in lowered[4].compile().as_text()
 
 
 @pytest.mark.parametrize("way", ["cpu", "default"])
@@ -759,6 +767,16 @@ def test_padding_examples_contribute_exactly_zero(method):
         # bits may differ from one call to the next whatever the padding holds.)
         for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(again), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("method", ["auto", "vmap"])
+def test_normalize_by_divides_the_clipped_sum(method):
+    # jax_privacy's `normalize_by`: the clipped sum divided by it (the norms are not).
+    loss, params, x = gm.mlp(np.random.default_rng(5))
+    _, sums = gm.reference(loss, params, x, 0.5)
+    g = optclip.clipped_grad(loss, l2_clip_norm=0.5, method=method, normalize_by=4.0)
+    assert_tree_close(jax.jit(g)(params, x), jax.tree.map(lambda s: s / 4.0, sums))
 
 
 @pytest.mark.parametrize("method", ["auto", "vmap"])

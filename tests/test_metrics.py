@@ -160,3 +160,17 @@ def test_state_checkpoints_with_orbax(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     assert as_floats(optclip.metrics(restored)) == as_floats(optclip.metrics(state))
     assert float(restored[0].group_norms["b"]) == 12.0
+
+
+def test_zclip_std_is_the_square_root_of_its_variance():
+    # Two steps of different norms: a variance other than 0 or 1, so that its square root is
+    # another number (the metric is the standard deviation, as its name says).
+    opt = optclip.zclip(warmup_steps=2, max_norm=None)
+    params = {"w": jnp.ones(2)}
+    state = opt.init(params)
+    for scale in (1.0, 3.0):
+        _, state = opt.update({"w": jnp.array([3.0, 4.0]) * scale}, state, params)
+    got = as_floats(optclip.metrics(state))
+    var = float(np.asarray(optax.tree.get(state, "var")))
+    assert var not in (0.0, 1.0)
+    np.testing.assert_allclose(got["zclip/std"], np.sqrt(var), rtol=1e-6)

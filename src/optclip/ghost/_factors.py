@@ -293,13 +293,13 @@ def gram(a: Factor, b: Factor, acc):
 
 def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
     """``<g1, g2>`` per layer and example, by the Gram route."""
-    if x1.shape[3] == 1 and x2.shape[3] == 1 and x1.values is not None and x2.values is not None:
+    dense = all(f.values is not None for f in (x1, y1, x2, y2))
+    if dense and x1.shape[3] == 1 and x2.shape[3] == 1:
         # one row each (a dense layer on one vector per example): the Grams are inner
         # products, whose reductions XLA fuses with anything that divides the factors
         p = jnp.sum(x1.values * x2.values, axis=4)
-        q = jnp.sum(y1.values * y2.values, axis=4) if y1.values is not None else None
-        if q is not None:
-            return jnp.sum(p * q, axis=(2, 3))
+        q = jnp.sum(y1.values * y2.values, axis=4)
+        return jnp.sum(p * q, axis=(2, 3))
     # (the barrier: XLA on the CPU otherwise fuses both Grams and their product into one loop,
     # 1.5 to 2 times slower than the three apart)
     p, q = lax.optimization_barrier((gram(x1, x2, acc), gram(y1, y2, acc)))
