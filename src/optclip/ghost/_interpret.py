@@ -1,6 +1,6 @@
 """The per-example loss evaluated equation by equation, with taps at the sites.
 
-At every tapped site (a use of a ghost leaf, `_leaves.ghost_sites`) the equation's
+At every tapped site (a use of a ghost leaf, `_plans.ghost_sites`) the equation's
 floating-point outputs get a tap (`tap`: its gradient is the output gradient of that example at
 that site) and the operands that are not parameter views are recorded (the
 activations, the indices of a lookup). Calls with sites inside are evaluated inline;
