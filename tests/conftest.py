@@ -1,11 +1,12 @@
 """Shared fixtures, and the two test tiers.
 
 ``python -m pytest -q -n 2`` runs the fast tier: every test, with one case of each parametrized
-test (its first case that runs under `jit`), and the 8-device checks. ``python -m pytest -q -n 2
--m slow`` runs everything else: the other cases (eager runs, every dtype and size), the
-multi-process checks, the example scripts, the benchmark smoke run and the documentation build.
-CI runs both. ``-n 2`` (pytest-xdist) runs the tests in two processes, since one keeps about one
-core busy; without it they run in this one.
+test (its first case that runs under `jit`), and the 8-device worker's sections but its slowest
+(`_workers/launch.py`). ``python -m pytest -q -n 2 -m slow`` runs everything else: the other
+cases (eager runs, every dtype and size), those sections, the multi-process checks, the example
+scripts, the benchmark smoke run and the documentation build. CI runs both. ``-n 2`` (pytest-xdist)
+runs the tests in two processes, since one keeps about one core busy; without it they run in
+this one.
 """
 
 import os
@@ -88,7 +89,7 @@ def pytest_collection_finish(session):
         return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     if "multidevice" in needed:
-        launch.start_multidevice()
+        launch.start_multidevice(launch.multidevice_sections(session.items))
     if "ghost_multidevice" in needed:
         launch.start_ghost_multidevice()
 

@@ -120,7 +120,8 @@ def unrolled(rng, dtype=np.float32, layers=2, d=4, t=3, batch=4):
 
 def reference(loss, params, batch, clip, padding=None, argnums=0):
     """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64), their norms and the
-    sum of the clipped gradients, as NumPy float64."""
+    sum of the clipped gradients, as NumPy float64. (Jitted: one program, where an eager
+    vmap compiles one per operation.)"""
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
         b64 = (
@@ -128,7 +129,7 @@ def reference(loss, params, batch, clip, padding=None, argnums=0):
             if jnp.issubdtype(batch.dtype, jnp.floating)
             else jnp.asarray(batch)
         )
-        grads = jax.vmap(jax.grad(loss, argnums), in_axes=(None, 0))(p64, b64[:, None])
+        grads = jax.jit(jax.vmap(jax.grad(loss, argnums), in_axes=(None, 0)))(p64, b64[:, None])
         grads = jax.tree.map(np.asarray, grads)
     leaves, treedef = jax.tree.flatten(grads)
     norms = np.sqrt(sum(np.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in leaves))
@@ -301,7 +302,7 @@ def assert_as_vmap_to_bfloat16_rounding(loss, params, batch, clip, mode="jit", n
     np.testing.assert_array_equal(np.isfinite(norms), kept)
     u = 2.0**-8
     np.testing.assert_allclose(norms[kept], ref_norms[kept], rtol=u)
-    grads = jax.vmap(jax.grad(loss), in_axes=(None, 0))(params, batch[:, None])
+    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, batch[:, None])
     factors = np.minimum(1.0, clip / np.maximum(ref_norms[kept], 1e-300))
     largest = max(np.max(np.abs(np.asarray(e, np.float64))) for e in jax.tree.leaves(ref_sums))
     paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(sums)]

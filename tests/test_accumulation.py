@@ -327,9 +327,10 @@ def outcome(opt, bad=5, n=12):
     """Each micro-step's update ("0", "u" or "nan") and the weights after `n` micro-batches,
     with an inf in micro-batch `bad` (no loss scale: what optax's wrappers see)."""
     params, state, seen = {"w": jnp.ones(3)}, opt.init({"w": jnp.ones(3)}), []
+    update = jax.jit(opt.update)  # (one program for the n steps)
     for i in range(n):
         g = {"w": jnp.array([jnp.inf if i == bad else 1.0, 2.0, 3.0])}
-        updates, state = opt.update(g, state, params)
+        updates, state = update(g, state, params)
         params = optax.apply_updates(params, updates)
         u = np.asarray(updates["w"])
         seen.append("nan" if not np.isfinite(u).all() else "0" if not u.any() else "u")
@@ -353,18 +354,22 @@ def test_what_optax_and_flax_do_in_the_same_setup():
 
     def flax_run(select):
         opt = optax.MultiSteps(inner, every_k_schedule=2)
+
+        @jax.jit
+        def step(scaler, state, params, x):
+            loss = lambda p: jnp.sum(p["w"] * x)  # noqa: E731
+            scaler, is_fin, _, grads = scaler.value_and_grad(loss)(params)
+            updates, new_state = opt.update(grads, state, params)
+            if select:  # Flax's examples: keep the old state where the gradients overflowed
+                new_state = jax.tree.map(lambda a, b: jnp.where(is_fin, a, b), new_state, state)
+                updates = jax.tree.map(lambda u: jnp.where(is_fin, u, 0.0), updates)
+            return scaler, new_state, optax.apply_updates(params, updates)
+
         scaler, params = DynamicScale(growth_interval=2, scale=64.0), {"w": jnp.ones(3)}
         state, scales = opt.init(params), []
         for i in range(12):
             x = jnp.array([jnp.inf if i == 5 else 1.0, 2.0, 3.0])
-            loss = lambda p, x=x: jnp.sum(p["w"] * x)  # noqa: E731
-            scaler, is_fin, _, grads = scaler.value_and_grad(loss)(params)
-            updates, new_state = opt.update(grads, state, params)
-            if select:  # Flax's examples: keep the old state where the gradients overflowed
-                keep = lambda a, b, ok=is_fin: jnp.where(ok, a, b)  # noqa: E731
-                new_state = jax.tree.map(keep, new_state, state)
-                updates = jax.tree.map(lambda u, ok=is_fin: jnp.where(ok, u, 0.0), updates)
-            state, params = new_state, optax.apply_updates(params, updates)
+            scaler, state, params = step(scaler, state, params, x)
             scales.append(float(scaler.scale))
         return scales, params
 

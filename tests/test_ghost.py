@@ -71,11 +71,21 @@ def check_against_reference(
 
 
 # The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
-# steps (nested), stacked blocks with sliced q/k/v, convolutions (plain; grouped, a kernel
-# used twice, stacked under a scan) (all in the slow tier below).
+# steps (nested), convolutions (plain; grouped, a kernel used twice, stacked under a scan).
+# Stacked blocks with sliced q/k/v run in the slow tier (Equinox's and Flax's transformers run
+# in the fast one). Every model at every threshold: the slow tier, below.
 @pytest.mark.every_case
 @pytest.mark.parametrize(
-    "name", ["mlp", "tied", "fallback", "recurrent", "transformer", "conv", "conv_shared"]
+    "name",
+    [
+        "mlp",
+        "tied",
+        "fallback",
+        "recurrent",
+        pytest.param("transformer", marks=pytest.mark.slow),
+        "conv",
+        "conv_shared",
+    ],
 )
 def test_each_layer_kind_matches_the_float64_reference(name):
     loss, params, x = MODELS[name](np.random.default_rng(0))
@@ -558,7 +568,7 @@ def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, m
     assert_tree_close(grads, kept_sums)
 
 
-@pytest.mark.parametrize("name", ["conv_shared", "conv"])
+@pytest.mark.parametrize("name", ["conv", "conv_shared"])
 @pytest.mark.parametrize("way", ["cpu", "gpu"])
 def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monkeypatch):
     """The kernels' clipped sums: on a CPU written out as one convolution laid out as XLA's
@@ -823,8 +833,8 @@ def test_low_precision_models_accumulate_norms_in_float32(dtype):
         np.testing.assert_allclose(a, b, atol=3e-2 * np.max(np.abs(b)))
 
 
-@pytest.mark.every_case
-@pytest.mark.parametrize("way", ["jit", "eager", "gpu"])
+@pytest.mark.every_case  # (the eager engine: test_ghost_eager.py in the fast tier)
+@pytest.mark.parametrize("way", ["jit", pytest.param("eager", marks=pytest.mark.slow), "gpu"])
 def test_float16_sums_below_float16s_normal_numbers_are_rounded_once(way, monkeypatch):
     # The recurrent model in float16 clipped to 1e-4: its leaves' clipped sums are float16
     # subnormal numbers (v's largest entry 1.4e-5, below 6.1e-5). Each example's products
@@ -888,7 +898,12 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypat
 
 @pytest.mark.every_case
 @pytest.mark.parametrize(
-    "model, dtype", [("mlp", jnp.bfloat16), ("mlp", jnp.float16), ("sequence", jnp.bfloat16)]
+    "model, dtype",
+    [
+        ("mlp", jnp.bfloat16),
+        ("mlp", jnp.float16),
+        pytest.param("sequence", jnp.bfloat16, marks=pytest.mark.slow),
+    ],
 )
 def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtype):
     # With a dropped example whose gradient is not finite (its records and output gradients

@@ -59,7 +59,7 @@ def cross_entropy(logits, ids):
 def linen_case(dtype=None):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, size=(B, T)))
     model = LinenModel(dtype)
-    params = model.init(jax.random.key(0), ids[:1])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), ids[:1])["params"]
     return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
 
 
@@ -183,7 +183,7 @@ class NNXStacked(nnx.Module):
 def linen_stacked(remat):
     ids = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, size=(B, T)))
     model = LinenStacked(remat)
-    params = model.init(jax.random.key(0), ids[:1])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), ids[:1])["params"]
     return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
 
 
@@ -271,7 +271,7 @@ def linen_general_case():
     x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, size=B))
     model = LinenGeneralModel()
-    params = model.init(jax.random.key(0), x[:1])["params"]
+    params = jax.jit(model.init)(jax.random.key(0), x[:1])["params"]
     return lambda p, x, y: labelled(model.apply({"params": p}, x), y), params, (x, labels), 3
 
 
@@ -292,7 +292,8 @@ def test_more_flax_layers_go_ghost(case, mode):
     with jax.enable_x64(True):  # the reference, with the labels as a second batch argument
         p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
         x64 = jnp.asarray(np.asarray(x, np.float64))
-        per = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(p64, x64[:, None], labels[:, None])
+        per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0, 0)))
+        per = per_example(p64, x64[:, None], labels[:, None])
         per = jax.tree.map(np.asarray, per)
     norms = np.sqrt(sum(np.sum(g.reshape(B, -1) ** 2, axis=1) for g in jax.tree.leaves(per)))
     assert np.all(norms > 0.5)  # every example clipped

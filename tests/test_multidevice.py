@@ -5,15 +5,15 @@ device, so the checks run in subprocesses (``tests/_workers/``), each starting J
 running many checks; every check compares a result with the float64 NumPy reference of the same
 global data at rtol 1e-5 (float16/bfloat16 outputs at their rounding), or an error's text:
 
-* ``multidevice.py``, 8 CPU devices (fast tier; started by ``conftest.py`` when the tests are
-  collected): jit over ``NamedSharding`` arrays on explicit and automatic meshes (and the
-  compiled HLO: small all-reduces, no all-gather); ``axis_name`` inside ``shard_map`` and
-  ``pmap`` in every accepted form, checked (unbound axes, replicated leaves declared split,
-  undeclared axes) and inferred (``None``/``"auto"``); group norms; ``guarded``'s loss scale,
-  skipped steps and spike test (the same on every device); float16/bfloat16, overflow
-  and underflow, ``ord``; per-layer norms of stacked leaves whose layer axis is sharded under
-  jit, split inside ``shard_map`` and ``pmap``, or not split; eager leaves on different
-  devices; and optax's own clip inside
+* ``multidevice.py``, 8 CPU devices (started by ``conftest.py`` when the tests are collected;
+  the fast tier runs its sections but ``launch.SLOW_SECTIONS``): jit over ``NamedSharding``
+  arrays on explicit and automatic meshes (and the compiled HLO: small all-reduces, no all-gather);
+  ``axis_name`` inside ``shard_map`` and ``pmap`` in every accepted form, checked
+  (unbound axes, replicated leaves declared split, undeclared axes) and inferred
+  (``None``/``"auto"``); group norms; ``guarded``'s loss scale, skipped steps and spike test
+  (the same on every device); float16/bfloat16, overflow and underflow, ``ord``; per-layer norms
+  of stacked leaves whose layer axis is sharded under jit, split inside ``shard_map`` and
+  ``pmap``, or not split; eager leaves on different devices; and optax's own clip inside
   ``shard_map`` using each device's local norm.
 * ``distributed.py``, 2 processes x 2 CPU devices joined by ``jax.distributed`` over 127.0.0.1
   (gloo collectives; slow tier): a sharded gradient tree clipped inside a jitted
@@ -35,38 +35,6 @@ from _workers import launch
 WORKERS = launch.WORKERS
 TIMEOUT_S = launch.TIMEOUT_S
 
-MULTIDEVICE_GROUPS = [
-    "jit-explicit",
-    "jit-auto",
-    "hlo",
-    "shard_map-str",
-    "shard_map-tuple",
-    "shard_map-specs",
-    "shard_map-specs-auto",
-    "shard_map-names",
-    "shard_map-prefix",
-    "shard_map-list",
-    "shard_map-none",
-    "shard_map-ord",
-    "shard_map-lowp",
-    "shard_map-lowp-f16",
-    "shard_map-overflow-big",
-    "shard_map-overflow-tiny",
-    "shard_map-overflow-ord",
-    "shard_map-overflow-inf",
-    "shard_map-nan-underflow",
-    "shard_map-optax-differs",
-    "pmap",
-    "adaptive",
-    "guarded",
-    "axis-checks",
-    "auto",
-    "groups",
-    "layers",
-    "devices",
-    "split-check",
-]
-
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -79,10 +47,11 @@ def _failures(results: dict, prefix: str = "") -> dict:
 
 
 @pytest.fixture(scope="module")
-def multidevice():
-    """Results of every check in one 8-device process (started by conftest.py as soon as the
-    tests were collected, so it has mostly run by now)."""
-    done = launch.finish(launch.start_multidevice(), launch.TIMEOUT_S)
+def multidevice(request):
+    """Results of the checks the selected tests need, from one 8-device process (started by
+    conftest.py as soon as the tests were collected, so it has mostly run by now)."""
+    sections = launch.multidevice_sections(request.session.items)
+    done = launch.finish(launch.start_multidevice(sections), launch.TIMEOUT_S)
     results = launch.result(done.stdout)
     assert done.returncode == 0 and results is not None, done.stderr[-5000:]
     return results
@@ -151,21 +120,32 @@ def distributed(tmp_path_factory):
 def test_multidevice_checks_all_ran(multidevice):
     errors = {name: r["error"] for name, r in multidevice.items() if name.endswith("/error")}
     assert not errors, "\n".join(f"{name}:\n{error}" for name, error in errors.items())
-    groups = {name.split("/")[0] for name in multidevice}
-    assert groups == set(MULTIDEVICE_GROUPS)
+    known = {group for groups in launch.SECTIONS.values() for group in groups}
+    assert {name.split("/")[0] for name in multidevice} <= known
 
 
-@pytest.mark.every_case  # one worker run checks every group at once
-@pytest.mark.parametrize("group", MULTIDEVICE_GROUPS)
-def test_multidevice_equals_float64_reference(multidevice, group):
-    checks = [name for name in multidevice if name.split("/")[0] == group]
-    assert checks, f"no check of group {group} ran"
-    assert not _failures(multidevice, group + "/")
+@pytest.mark.every_case  # one worker run checks every section at once
+@pytest.mark.parametrize(
+    "section",
+    [
+        pytest.param(name, marks=pytest.mark.slow) if name in launch.SLOW_SECTIONS else name
+        for name in launch.SECTIONS
+    ],
+)
+def test_multidevice_section_passes(multidevice, section):
+    """Each of the section's groups of checks ran and equals its float64 reference."""
+    assert f"{section}/error" not in multidevice, multidevice[f"{section}/error"]["error"]
+    for group in launch.SECTIONS[section]:
+        checks = [name for name in multidevice if name.split("/")[0] == group]
+        assert checks, f"no check of group {group} ran"
+        assert not _failures(multidevice, group + "/")
 
 
 def test_hlo_all_reduces_scalars_and_gathers_nothing(multidevice):
     hlo = {name: r for name, r in multidevice.items() if name.startswith("hlo/")}
-    assert len(hlo) >= 7 and all(r["ok"] for r in hlo.values()), hlo
+    fast = {f"hlo/explicit/{f}" for f in ("global_norm", "clip_by_global_norm", "global_clip_step")}
+    assert fast | {"hlo/shard_map/clip_by_global_norm"} <= set(hlo), hlo
+    assert all(r["ok"] for r in hlo.values()), hlo
 
 
 def test_optax_clips_each_device_by_its_local_norm_and_optclip_does_not(multidevice):

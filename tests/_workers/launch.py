@@ -13,7 +13,69 @@ import subprocess
 import sys
 
 WORKERS = pathlib.Path(__file__).resolve().parent
-TIMEOUT_S = 300  # per subprocess; the 8-device worker takes about 100 s of one core
+TIMEOUT_S = 300  # per subprocess; the whole 8-device worker takes about 100 s of one core
+
+# The 8-device worker's sections (`multidevice.py` runs the ones it is given, in this order),
+# each with the groups of checks it records (a check's name is ``group/what``).
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "jit-explicit": ("jit-explicit", "hlo"),
+    "shard_map": (
+        "hlo",
+        "shard_map-str",
+        "shard_map-tuple",
+        "shard_map-specs",
+        "shard_map-specs-auto",
+        "shard_map-names",
+        "shard_map-prefix",
+        "shard_map-list",
+        "shard_map-none",
+        "shard_map-ord",
+        "shard_map-optax-differs",
+    ),
+    "shard_map-lowp": ("shard_map-lowp", "shard_map-lowp-f16"),
+    "shard_map-overflow": (
+        "shard_map-overflow-big",
+        "shard_map-overflow-tiny",
+        "shard_map-overflow-ord",
+        "shard_map-overflow-inf",
+    ),
+    "shard_map-nan-underflow": ("shard_map-nan-underflow",),
+    "pmap": ("pmap",),
+    "axis-checks": ("axis-checks",),
+    "split-check": ("split-check",),
+    "jit-auto": ("jit-auto", "hlo"),
+    "adaptive": ("adaptive",),
+    "guarded": ("guarded",),
+    "auto": ("auto",),
+    "groups": ("groups", "hlo"),
+    "layers": ("layers",),
+    "devices": ("devices",),
+}
+# The sections only the slow tier runs: the fast tier keeps the norm and the clip under jit,
+# shard_map and pmap at every magnitude, and every check of an axis name; these add the
+# automatic mesh, the adaptive clips, the guards, group and per-layer norms and scattered
+# leaves (about three quarters of the worker's time).
+SLOW_SECTIONS = frozenset(
+    {"jit-auto", "adaptive", "guarded", "auto", "groups", "layers", "devices"}
+)
+
+
+def multidevice_sections(items) -> list[str]:
+    """The sections the selected test items need: each selected
+    ``test_multidevice_section_passes[section]`` case its own, and every fast section when a
+    selected test reads the worker's results otherwise."""
+    needed: set[str] = set()
+    for item in items:
+        if "multidevice" not in getattr(item, "fixturenames", ()):
+            continue
+        callspec = getattr(item, "callspec", None)
+        if callspec is not None and "section" in callspec.params:
+            needed.add(callspec.params["section"])
+        else:
+            needed.update(name for name in SECTIONS if name not in SLOW_SECTIONS)
+    return [name for name in SECTIONS if name in needed]
+
+
 GHOST_TIMEOUT_S = 900  # ghost_multidevice.py takes about 8 minutes of one core
 
 
@@ -42,11 +104,11 @@ def result(stdout: str):
 _started: dict = {}
 
 
-def start_multidevice() -> subprocess.Popen:
-    """The 8-device worker, started once per test session."""
+def start_multidevice(sections: list[str]) -> subprocess.Popen:
+    """The 8-device worker running `sections`, started once per test session."""
     if "multidevice" not in _started:
         _started["multidevice"] = subprocess.Popen(
-            [sys.executable, str(WORKERS / "multidevice.py")],
+            [sys.executable, str(WORKERS / "multidevice.py"), *sections],
             env=env_for(8),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

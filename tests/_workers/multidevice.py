@@ -2,7 +2,11 @@
 
 Needs 8 devices, so JAX must start with them::
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_workers/multidevice.py
+    export XLA_FLAGS=--xla_force_host_platform_device_count=8
+    python tests/_workers/multidevice.py [SECTION ...]
+
+(every section when none is named; `launch.SECTIONS` lists them, `launch.SLOW_SECTIONS` the
+ones only the slow tier runs).
 
 Every check compares a result with the float64 NumPy reference of the same global data
 (``tests/reference.py``) and is recorded under a name whose first part (before ``/``) is the
@@ -19,6 +23,7 @@ import math
 import pathlib
 import re
 import sys
+import time
 import traceback
 
 import jax
@@ -31,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 import optclip
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import launch  # noqa: E402  (tests/_workers/launch.py: the sections' names and tiers)
 import reference  # noqa: E402  (tests/reference.py: the float64 references)
 
 RTOL = 1e-5
@@ -1201,42 +1207,42 @@ def _raises(fn) -> bool:
     return False
 
 
-def main():
+SECTIONS = {
+    "jit-explicit": lambda: jit_checks("explicit", None),
+    "shard_map": shard_map_checks,
+    "shard_map-lowp": low_precision_checks,
+    "shard_map-overflow": overflow_checks,
+    "shard_map-nan-underflow": nan_and_underflow_checks,
+    "pmap": pmap_checks,
+    "axis-checks": axis_check_checks,
+    "split-check": split_check_checks,
+    "jit-auto": lambda: jit_checks("auto", AxisType.Auto),
+    "adaptive": adaptive_checks,
+    "guarded": guarded_checks,
+    "auto": auto_checks,
+    "groups": group_checks,
+    "layers": layer_checks,
+    "devices": device_checks,
+}
+
+
+def main(names: list[str]):
+    """Runs the sections named (every one if none is), each under `group`, and prints each
+    one's time to stderr."""
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
     if jax.device_count() != 8:
         sys.exit("Needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
-    with group("jit-explicit"):
-        jit_checks("explicit", None)
-    with group("jit-auto"):
-        jit_checks("auto", AxisType.Auto)
-    with group("shard_map"):
-        shard_map_checks()
-    with group("shard_map-lowp"):
-        low_precision_checks()
-    with group("shard_map-overflow"):
-        overflow_checks()
-    with group("shard_map-nan-underflow"):
-        nan_and_underflow_checks()
-    with group("pmap"):
-        pmap_checks()
-    with group("adaptive"):
-        adaptive_checks()
-    with group("guarded"):
-        guarded_checks()
-    with group("axis-checks"):
-        axis_check_checks()
-    with group("auto"):
-        auto_checks()
-    with group("groups"):
-        group_checks()
-    with group("layers"):
-        layer_checks()
-    with group("devices"):
-        device_checks()
-    with group("split-check"):
-        split_check_checks()
+    assert list(SECTIONS) == list(launch.SECTIONS), "launch.SECTIONS lists these sections"
+    unknown = sorted(set(names) - set(SECTIONS))
+    if unknown:
+        sys.exit(f"Unknown sections {unknown}; the sections are {list(SECTIONS)}.")
+    for name in names or SECTIONS:
+        start = time.perf_counter()
+        with group(name):
+            SECTIONS[name]()
+        print(f"section {name}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     print("RESULT " + json.dumps(RESULTS))
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
