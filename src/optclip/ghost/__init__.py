@@ -14,7 +14,7 @@ a step runs it:
    sum by book-keeping (`_products`: the written products); `_passes.finish` puts them
    together for the platform the step is lowered for (`_target`: decided once per step).
    Every record and output gradient is kept divided by a power of two near its largest
-   magnitude (`_interpret.normalized`), so that one path is exact at every magnitude: the
+   magnitude (`_interpret.scaled`), so that one path is exact at every magnitude: the
    step has no `cond`.
 
 `_eager` runs an eager call as one compiled program; `_report` says what went where.

@@ -32,11 +32,11 @@ except ImportError:  # pragma: no cover
 class Tapped:
     """What the tapped pass gives: the losses and aux; `records` (``{record key: (array,
     exponent)}``) and `grads` (the output gradients, ``{site id: tuple of (array,
-    exponent)}``) of the tapped sites, each `normalized` per layer and example: the arrays laid
-    out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the examples, as
-    a scan stacks them: the examples' axis of each is in `record_axes` and `grad_axes`), the
-    exponents ``(*levels, B)``; the materialised leaves' per-example gradients ``{leaf: (B,
-    *shape)}``; the parameter leaves' values."""
+    exponent)}``) of the tapped sites, each `scaled` by its exponent per layer and example: the
+    arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the
+    examples, as a scan stacks them: the examples' axis of each is in `record_axes` and
+    `grad_axes`), the exponents ``(*levels, B)``; the materialised leaves' per-example
+    gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
 
     losses: Any
     aux: Any
@@ -118,29 +118,38 @@ FLAG = 2**22
 FLAGGED = 2**21
 
 
-def normalized(x):
-    """`x` divided by a power of two near its largest magnitude (its largest in [0.5, 1)), and
-    the exponent ``e`` of that power (``2**(e-1) <= max|x| < 2**e``, int32): exact, a power
-    of two divides exactly. `_factors.ZERO_EXPONENT` for an `x` that is 0; for one with an
-    entry not finite, zeros and `FLAG`. Anything not floating is returned as it is, exponent
-    0. The records and output gradients are kept so, every one in its dtype's range: no
+def exponent_of(x):
+    """The exponent ``e`` of the power of two near `x`'s largest magnitude (``2**(e-1) <=
+    max|x| < 2**e``, int32): `_factors.ZERO_EXPONENT` for an `x` that is 0, `FLAG` for one
+    with an entry not finite, 0 for one not floating. One reduction: no copy of `x`."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return jnp.zeros((), jnp.int32)
+    e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
+    return lax.select(e > jnp.finfo(x.dtype).maxexp, jnp.int32(FLAG), e)
+
+
+def scaled(x, e):
+    """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
+    `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of
+    `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. The
+    records and output gradients are kept as they are with their exponents, and scaled so
+    only where the norms and sums read them (after the backward pass, not beside it): no
     product of them the norms and sums form overflows or flushes."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
-        return x, jnp.zeros((), jnp.int32)
-    e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
-    bad = e > jnp.finfo(x.dtype).maxexp
-    shift = lax.select(bad | (e == _factors.ZERO_EXPONENT), jnp.int32(0), e)
+        return x
+    e = jnp.reshape(e, jnp.shape(e) + (1,) * (x.ndim - jnp.ndim(e)))
+    bad = e >= FLAGGED
+    shift = jnp.where(bad | (e == _factors.ZERO_EXPONENT), 0, e)
     # (``2**(2 - e)`` is a normal number for every normal largest entry's `e`, and the
     # product, in [2, 4), times 1/4 is exact: one power of two built, not two halves)
     up = _factors.power_of_two(2 - shift, x.dtype)
-    scaled = jnp.where(bad, jnp.zeros((), x.dtype), (x * up) * jnp.asarray(0.25, x.dtype))
-    return scaled, lax.select(bad, jnp.int32(FLAG), e)
+    return jnp.where(bad, jnp.zeros((), x.dtype), (x * up) * jnp.asarray(0.25, x.dtype))
 
 
 @jax.custom_vjp
 def tap(y, t, e):
     """`y`, whose output gradient comes out as the gradients of its taps `t` (zeros of `y`'s
-    shape) and `e` (a zero per example): the output gradient `normalized` and its exponent.
+    shape) and `e` (a zero per example): the output gradient itself and its `exponent_of`.
     The forward pass never reads `t` (unlike ``y + t``, nothing of its size is formed). The
     output gradient is held row-major (`in_row_major`): XLA's GPU layout assignment otherwise
     gave it, in a scanned layer with a materialised bias, the layout of that bias's
@@ -157,8 +166,7 @@ def _tap_forward(y, t, e):
 
 def _tap_backward(_, g):
     g = in_row_major(g)
-    scaled, e = normalized(g)
-    return g, scaled, e.astype(jnp.float32)
+    return g, g, exponent_of(g).astype(jnp.float32)
 
 
 def in_row_major(x):
@@ -251,7 +259,7 @@ def recorded_positions(site):
 
 def run(jaxpr, consts, args, plan, taps, records, batched):
     """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
-    sites, filling `records` (``{record key: (recorded operand, exponent)}``, `normalized`)
+    sites, filling `records` (``{record key: (recorded operand, its `exponent_of`)}``)
     with theirs; `batched` holds the ids of the sites whose operands differ between examples
     (`_trace.batched_sites`). Returns the outputs."""
     env: dict = {}
@@ -277,7 +285,8 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
             if site is not None and site.id in taps:
                 for key, i in zip(site.records, recorded_positions(site), strict=True):
                     if key not in records:
-                        records[key] = normalized(invals[i])
+                        e = exponent_of(invals[i])
+                        records[key] = (scaled(invals[i], e), e)
                 for (t, e), j in zip(taps[site.id], float_outputs(eqn), strict=True):
                     # (an output shared by the batch, not in `batched`, made each example's)
                     y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)

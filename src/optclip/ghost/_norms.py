@@ -1,7 +1,7 @@
 r"""Each example's gradient norm from the tapped pass: every leaf's squared norm by its route
 (`_plans.route`), as terms, and all of them added.
 
-The tapped pass keeps every record and output gradient `_interpret.normalized`: divided by a
+The tapped pass keeps every record and output gradient `_interpret.scaled`: divided by a
 power of two near its largest magnitude, per layer and example, with that power's exponent.
 A use's factors built from them (`_factors`) are then in [-1, 1], so that no Gram or product
 of them overflows, and the products that flush are below ``2**-126`` of their largest: each

@@ -69,8 +69,11 @@ def tapped_pass(one, flat: Flat, s: Settings):
         return jnp.sum(outs[0]), (outs, records)
 
     (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
-    exact = lambda pair: (pair[0], pair[1].astype(jnp.int32))  # noqa: E731  (integers, in float32)
-    grads = {i: tuple(map(exact, pairs)) for i, pairs in grads.items()}
+    # (the exponents come out as float32 gradients: integers, exact)
+    scale = lambda x, e: (_interpret.scaled(x, e), e)  # noqa: E731
+    grads = {
+        i: tuple(scale(g, e.astype(jnp.int32)) for g, e in pairs) for i, pairs in grads.items()
+    }
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     grad_axes = {i: site.depth for i, site in sites.items()}
     tapped = _interpret.Tapped(

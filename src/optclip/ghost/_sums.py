@@ -13,7 +13,7 @@ layer or a convolution is bilinear, so the factor goes on whichever of its input
 gradient is smaller (``(w A)^T G``: the weighted copy is the small one). The materialised
 leaves' sums are their per-example gradients contracted with the factors.
 
-The records and output gradients are normalized (`_interpret.normalized`): each example's
+The records and output gradients are normalized (`_interpret.scaled`): each example's
 factor is multiplied by the powers of two they were divided by. Where a side is in a dtype
 whose normal numbers stop short of float32's (float16), one power of two per site and layer
 is taken out of the factors (`common_exponent`: the largest example's), so that the weighted
