@@ -14,6 +14,7 @@ import sys
 
 WORKERS = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 300  # per subprocess; the whole 8-device worker takes about 100 s of one core
+GHOST_TIMEOUT_S = 900  # ghost_multidevice.py takes about 8 minutes of one core
 
 # The 8-device worker's sections (`multidevice.py` runs the ones it is given, in this order),
 # each with the groups of checks it records (a check's name is ``group/what``).
@@ -74,9 +75,6 @@ def multidevice_sections(items) -> list[str]:
         else:
             needed.update(name for name in SECTIONS if name not in SLOW_SECTIONS)
     return [name for name in SECTIONS if name in needed]
-
-
-GHOST_TIMEOUT_S = 900  # ghost_multidevice.py takes about 8 minutes of one core
 
 
 def env_for(devices: int) -> dict:
