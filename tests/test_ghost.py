@@ -2470,3 +2470,30 @@ def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypat
             plain = run(step, mode)(params, x)
         for a, b in zip(jax.tree.leaves(pinned), jax.tree.leaves(plain), strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_the_output_gradient_is_kept_once_not_beside_its_scaled_copy():
+    # A model whose largest tensor is its output layer's gradient (16 x 64 x 2048 logits):
+    # the tap gives that gradient itself and its exponent, and it is scaled after the
+    # backward pass (`_interpret.scaled`). Scaled in the tap's backward, beside the gradient
+    # the backward pass still reads, the step took 1.005x the non-private step's memory by
+    # XLA's analysis; kept once, 0.71x.
+    B, T, D, V = 16, 64, 16, 2048
+    rng = np.random.default_rng(0)
+    shapes = {"embed": (V, D), "w": (D, D), "out": (D, V)}
+    params = {k: jnp.asarray(rng.normal(size=s) * 0.1, jnp.float32) for k, s in shapes.items()}
+    ids = jnp.asarray(rng.integers(0, V, size=(B, T)))
+
+    def loss(p, i):
+        logits = jnp.tanh(p["embed"][i] @ p["w"]) @ p["out"]
+        return -jnp.sum(jax.nn.log_softmax(logits)[..., 0])
+
+    def peak(step):
+        m = jax.jit(step).lower(params, ids).compile().memory_analysis()
+        used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return used - m.alias_size_in_bytes
+
+    summed = lambda p, i: jnp.sum(jax.vmap(loss, in_axes=(None, 0))(p, i[:, None]))  # noqa: E731
+    plain = peak(jax.grad(summed))
+    ghost = peak(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+    assert ghost <= 0.9 * plain, (ghost, plain)
