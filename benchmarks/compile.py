@@ -3,7 +3,7 @@ non-private one.
 
     python benchmarks/compile.py [--quick] [--repeats 3] [--json out.json]
     python benchmarks/compile.py --only unrolled-12 unrolled-24 scanned-24
-    python benchmarks/compile.py --markdown compile_results.json  (the table of a saved run)
+    python benchmarks/compile.py --markdown benchmarks/results/compile_cpu.json  (a saved run)
 
 A jitted step is compiled once per shape, and again in every new process: each run of a
 script, each test, each point of a sweep pays it before its first step. Side by side in one
@@ -48,7 +48,6 @@ import argparse
 import datetime
 import functools
 import gc
-import json
 import os
 import pathlib
 import platform
@@ -61,7 +60,7 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models as models  # noqa: E402
 import _timing  # noqa: E402
-from private import GHOST, JAX_PRIVACY, NON_PRIVATE, contenders  # noqa: E402
+from private import GHOST, JAX_PRIVACY, NON_PRIVATE, contenders, load_rows, save_run  # noqa: E402
 
 METHODS = (NON_PRIVATE, GHOST, JAX_PRIVACY)
 BATCH = 16
@@ -249,7 +248,7 @@ def main(argv=None) -> list[dict]:
     )
     args = parser.parse_args(argv)
     if args.markdown:
-        rows = json.loads(args.markdown.read_text())
+        rows = load_rows(args.markdown)
         print(markdown(rows))
         return rows
     repeats = args.repeats or (1 if args.quick else 3)
@@ -267,7 +266,8 @@ def main(argv=None) -> list[dict]:
     print()
     print(markdown(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        where = machine()
+        save_run(args.json, rows, f"{where['cores']}-core {where['device']}, jax {where['jax']}")
     return rows
 
 

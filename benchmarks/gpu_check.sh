@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Ghost clipping on a GPU, in one short run (a lent machine's minutes are few). Steps, in the
 # order given (default: all, in this order):
-#   precision  the default matmul precision's error (benchmarks/private_precision.py);
+#   precision  the default matmul precision's error (benchmarks/profile/private_precision.py);
 #   t256 t64 t16  benchmarks/private.py's transformer at that batch, one JSON each; --budget-gib
 #              64: jax_privacy without microbatches where its per-example gradients fit;
 #   mlp        benchmarks/private.py's MLP;
 #   ghost      the ghost tests, every case, at matmul precision 'highest' (the default is TF32
 #              on such a GPU, and the tests compare with float64 at float32's tolerances);
 #   fast       the fast tier (the installed JAX may be newer than any on the package index);
-#   known      the tests that failed on an H200 with jax 0.11.2 (BUILD_NOTES, "Known limits"),
+#   known      the tests that failed on an H200 with jax 0.11.2 (docs/design/limits.md),
 #              with their tracebacks (the fast tier's were cut off by its time limit);
-#   parts      benchmarks/private_parts.py at 256: the ghost step with each part taken out,
-#              and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
+#   parts      benchmarks/profile/private_parts.py at 256: the ghost step with each part taken
+#              out, and with its Grams at HIGHEST (float32) beside the step's TF32 ones;
 #   mlpparts   the same on the MLP at 16 and 256, whose steps of a tenth of a millisecond
 #              count kernels and the `cond`s' branch decisions, after each part's compiled
 #              peak memory at 16, 64 and 256 (--memory; the ghost step's in bfloat16 too);
@@ -39,6 +39,7 @@ fi
 export PYTHONPATH="$PWD/src:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
 limited() { echo "== $* (limit $1 s)"; timeout "$@"; echo "== exit $?"; }
 bench() { limited "$1" python3 benchmarks/private.py --budget-gib 64 --run-limit-gib 100 "${@:2}"; }
+parts() { limited "$1" python3 benchmarks/profile/private_parts.py "${@:2}"; }
 tests() {
     XLA_PYTHON_CLIENT_PREALLOCATE=false limited "$1" python3 -m pytest -p no:cacheprovider \
         -n 12 -v "${@:3}" >"$OUT/$2.log" 2>&1
@@ -52,7 +53,7 @@ python3 -c "import jax, optax, jax_privacy, flax; print('jax', jax.__version__, 
 optax.__version__, 'flax', flax.__version__, jax.devices())"
 for s in $steps; do
     case $s in
-        precision) limited 80 python3 benchmarks/private_precision.py --batch 16 ;;
+        precision) limited 80 python3 benchmarks/profile/private_precision.py --batch 16 ;;
         t256 | t64 | t16)
             bench "$([ "$s" = t256 ] && echo 110 || echo 60)" --only transformer \
                 --batches "${s#t}" --json "$OUT/transformer_${s#t}.json" ;;
@@ -63,26 +64,23 @@ for s in $steps; do
                 tests/test_ghost_flax.py ;;
         fast) tests 80 fast ;;
         known)
-            tests 90 known --tb=short -rf -m "slow or not slow" src/optclip/_functional.py \
-                src/optclip/_axes.py src/optclip/_errors.py tests/test_doc_blocks.py \
+            tests 90 known --tb=short -rf -m "slow or not slow" src/optclip/clips/_functional.py \
+                src/optclip/norms/_axes.py src/optclip/_errors.py tests/test_doc_blocks.py \
                 tests/test_ghost.py -k "global_norm or check_split or reraise_errors or \
-                README or large_runs or migrating or nonfinite or per-example or padding_ex"
+                README or large_runs or logging or choosing-a-clip or multi-device or migrating or \
+                nonfinite or per-example or padding_ex"
             tail -60 "$OUT/known.log" ;;
-        parts) limited 200 python3 benchmarks/private_parts.py --batches 256 --pairs 5 \
-            --json "$OUT/parts.json" ;;
+        parts) parts 200 --batches 256 --pairs 5 --json "$OUT/parts.json" ;;
         mlpparts)
-            limited 40 python3 benchmarks/private_parts.py --mlp --memory --batches 16 64 256 \
-                --json "$OUT/mlp_memory.json"
-            limited 40 python3 benchmarks/private_parts.py --mlp --memory --batches 16 64 256 \
-                --dtype bfloat16 --variants ghost --json "$OUT/mlp_memory_bf16.json"
-            limited 120 python3 benchmarks/private_parts.py --mlp --batches 16 256 \
-                --pairs 20 --json "$OUT/mlp_parts.json" ;;
+            parts 40 --mlp --memory --batches 16 64 256 --json "$OUT/mlp_memory.json"
+            parts 40 --mlp --memory --batches 16 64 256 --dtype bfloat16 --variants ghost \
+                --json "$OUT/mlp_memory_bf16.json"
+            parts 120 --mlp --batches 16 256 --pairs 20 --json "$OUT/mlp_parts.json" ;;
         kernels)
             off="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
-            XLA_FLAGS=$off limited 90 python3 benchmarks/private_parts.py --kernels \
-                --batches 256 --top 45 --json "$OUT/kernels.json"
-            XLA_FLAGS=$off limited 60 python3 benchmarks/private_parts.py --kernels --mlp \
-                --batches 256 --top 25 --json "$OUT/mlp_kernels.json" ;;
+            XLA_FLAGS=$off parts 90 --kernels --batches 256 --top 45 --json "$OUT/kernels.json"
+            XLA_FLAGS=$off parts 60 --kernels --mlp --batches 256 --top 25 \
+                --json "$OUT/mlp_kernels.json" ;;
     esac
 done
 for f in "$OUT"/transformer_*.json "$OUT"/mlp.json; do

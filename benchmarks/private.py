@@ -2,7 +2,7 @@
 
     python benchmarks/private.py [--quick] [--json out.json] [--plot memory.png]
     python benchmarks/private.py --only transformer --batches 64 256 --methods ghost
-    python benchmarks/private.py --markdown benchmarks/private_results.json  (the guide's table)
+    python benchmarks/private.py --markdown benchmarks/results/private_cpu.json  (the guide's table)
 
 Side by side in one process, for a transformer with scanned blocks (d=256, T=128, vocabulary
 8192, 4 blocks) and an MLP, at batch sizes 16, 64 and 256 (``--only convnet``: a
@@ -247,6 +247,21 @@ def plot(rows, path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def load_rows(path: pathlib.Path) -> list[dict]:
+    """The rows of a ``--json`` file (`save_run`'s ``{"command", "machine", "rows"}``; an
+    older file's bare list of rows too)."""
+    data = json.loads(path.read_text())
+    return data["rows"] if isinstance(data, dict) else data
+
+
+def save_run(path: pathlib.Path, rows: list[dict], machine: str) -> None:
+    """Writes `rows` as ``benchmarks/results/`` keeps a run: with the command that made it and
+    the machine it ran on."""
+    command = " ".join(["python", *sys.argv])
+    run = {"command": command, "machine": machine, "rows": rows}
+    path.write_text(json.dumps(run, indent=1, default=float))
+
+
 def where() -> str:
     """The machine the figures come from."""
     device = jax.devices()[0]
@@ -290,11 +305,11 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
     if args.markdown:
-        rows = json.loads(args.markdown.read_text())
+        rows = load_rows(args.markdown)
         print(markdown(rows))
         return rows
     if args.replot:
-        rows = json.loads(args.replot.read_text())
+        rows = load_rows(args.replot)
         plot(rows, args.plot)
         return rows
     if args.quick:
@@ -315,7 +330,7 @@ def main(argv=None) -> list[dict]:
     # The MLP first: after the transformer's steps of gigabytes, glibc's malloc handed the
     # MLP's buffers of megabytes back to the system after each call (fresh pages at the next),
     # and its steps took 1.3x their time, the ghost step's (more buffers) the most: 1.22x the
-    # non-private step where a process of its own gave 1.14x (BUILD_NOTES).
+    # non-private step where a process of its own gave 1.14x.
     setups = {
         "mlp": (
             models.mlp_loss,
@@ -341,7 +356,7 @@ def main(argv=None) -> list[dict]:
             rows += measure(name, loss, params, make_batch(b), b, args)
     print(table(rows))
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1, default=float))
+        save_run(args.json, rows, f"{where()}, jax {jax.__version__}")
     if args.plot:
         plot(rows, args.plot)
     assert all(math.isfinite(r["peak_bytes"]) for r in rows)

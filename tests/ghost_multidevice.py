@@ -24,7 +24,7 @@ def main():
     import numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     loop_work = _norms.LOOP_WORK
     cases = (

@@ -382,7 +382,7 @@ LEAF_ENTRY_POINTS: dict = {
     "NonFiniteNormError": "an exception class",
     "reraise_errors": "a context manager around a step: it reads no tree",
     "force_ghost_route": "a context manager around tracing `clipped_grad`: it reads no tree",
-    "loss_scale": "reads one field of a `guarded` state (not yet checked: see BUILD_NOTES.md)",
+    "loss_scale": "reads one field of a `guarded` state (unchecked: docs/design/inputs.md)",
     "global_norm": _function(optclip.global_norm, "global_norm"),
     "clip_by_value": _function(lambda t: optclip.clip_by_value(t, 0.0, 1.0), "`clip_by_value`"),
     "clip_by_norm": _function(lambda t: optclip.clip_by_norm(t, 1.0), "clip_by_norm"),

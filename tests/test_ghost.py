@@ -94,7 +94,7 @@ def test_each_layer_kind_matches_the_float64_reference(name):
 
 # The ghost engine at every threshold; the materialising way (`per_example_clip`'s own tests
 # cover its thresholds) at one; each way eagerly (its own compiled program, `_eager`) at one
-# (CI's time: BUILD_NOTES, "the slow tier's cases").
+# (CI's time: docs/design/tests-and-ci.md, "The two tiers").
 @pytest.mark.parametrize(
     ("clip", "method", "mode"),
     [(c, "auto", "jit") for c in (0.3, 1e6, 0.0)]
@@ -214,7 +214,7 @@ def test_norms_exact_for_factors_near_float32s_largest(rows):
         _, aux = check_against_reference(loss, params, x, 1e36, mode=mode)
         assert np.all(np.asarray(aux.grad_norms) > 1e34)
         # Clipped to 1: each example's factor (1e-34) times its output gradients (1e-4) would
-        # flush (`_sums.unsafe`); the factor is shared by both sides (`_sums.balanced`). The
+        # flush; the output gradients are held divided by a power of two (`scaled`). The
         # bias's clipped sum is at float32's smallest normal numbers (not compared).
         g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
         grads, clipped = run(g, mode)(params, x)
@@ -265,8 +265,8 @@ def test_clipped_sums_exact_where_a_weighted_side_would_flush(model, monkeypatch
     """Book-keeping weights one side of each dense product by the example's factor. With
     inputs at 2**100 and output gradients at 1e-34, clipped from ~1e-4 to 1e-10, the weighted
     output gradients (1e-40) would flush: every example's terms were lost, the weight's sum
-    0. Such a batch is summed with the factor shared between both sides (`_sums.balanced`):
-    jitted, eager, and as off a CPU (the MLP's `cond`-free sums, always shared). In a scan,
+    0. The records and output gradients are held divided by powers of two (`_interpret.scaled`)
+    and each factor carries them: jitted, eager, and as off a CPU. In a scan,
     each layer counts: the second's output gradients are 2**100 times below the first's."""
     if model == "scanned layers":
         loss, params, x = _scanned_large_inputs()
@@ -357,7 +357,7 @@ def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
     # every entry divided by the same power of two, from the dtype's smallest normal numbers
     # to its largest; a zero keeps its values with `ZERO_EXPONENT`; an entry not finite gives
     # zeros and `FLAG`; an exponent per leading index scales each row by its own.
-    from optclip.ghost import _factors, _interpret
+    from optclip.per_example.ghost import _factors, _interpret
 
     info = jnp.finfo(dtype)
     rng = np.random.default_rng(32)
@@ -393,7 +393,7 @@ def test_powers_of_two_are_exact_normal_halves_at_every_exponent(dtype):
     # `_factors.powers_of_two`: each half exact and normal, their product 2**k, for every k
     # from twice the smallest normal exponent to twice the largest (2**k itself subnormal,
     # flushed, or past the largest there), eager and jitted.
-    from optclip.ghost import _factors
+    from optclip.per_example.ghost import _factors
 
     info = jnp.finfo(dtype)
     k = np.arange(2 * int(info.minexp), 2 * (int(info.maxexp) - 1) + 1)
@@ -538,7 +538,7 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     for one example through the 1x1 kernel alone, and other values in another process. On a
     CPU each example's four kernels' norms, and the four convolutions' clipped sums
     (`_sums.in_turn`) go one after another."""
-    from optclip.ghost import _norms, _sums
+    from optclip.per_example.ghost import _norms, _sums
 
     monkeypatch.setattr(_norms, "LOOP_WORK", 0)
     sums = []  # (the clipped sums' loops)
@@ -560,7 +560,7 @@ def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, m
     handle: a padding example contributes nothing, a zero example has norm 0 and no NaN, a
     NaN example is dropped with its norm NaN, and gradients whose squares overflow float32:
     against float64, jitted and eager."""
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     monkeypatch.setattr(_norms, "LOOP_WORK", 0)
     loss, params, x = separable(np.random.default_rng(39), 4, size=4, features=8)
@@ -648,7 +648,7 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     # norms are computed one example after another: forced here (the tests' models are small)
     # and checked against the float64 reference and the batch's values, with a non-finite
     # example dropped, at a magnitude whose squares overflow, and eager.
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     loss, params, x = MODELS[name](np.random.default_rng(13))
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
@@ -892,7 +892,7 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypat
     and hoisted a float32 copy of each whole record and output gradient out of each loop over
     the examples (on a CPU the norms of large Grams, `_norms.norms`), held as the loop's
     state beside everything they read. The loop's state holds the batch in bfloat16 only."""
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     if jax.default_backend() != "cpu":
         pytest.skip("XLA's float32 slicing of bfloat16 is the CPU's")
@@ -1108,7 +1108,7 @@ def test_every_arrangement_of_a_dense_layer(name):
 
 
 # (the fast tier's case first: a weight on the left, which the CPU could not run)
-# (eagerly with the cast alone: CI's time, BUILD_NOTES "the slow tier's cases")
+# (eagerly with the cast alone: CI's time, docs/design/tests-and-ci.md)
 @pytest.mark.parametrize(
     ("cast", "mode"),
     [(True, "jit"), (False, "jit"), (True, "eager")],
@@ -1613,7 +1613,7 @@ def test_random_models_match_the_float64_reference(
     """Random models against float64, their weights scaled by a multiplier or not (a tied
     table's two uses by two numbers: "apart"; a number the jitted step traces: "traced");
     every weight goes ghost (the biases and the LayerNorm-like scale are materialised)."""
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     loss, params, ids = random_model(sizes, tied, scanned, magnitude, multiplier)
     make, reports = None, []
@@ -1906,7 +1906,7 @@ def _scaled_models(rng):
 
 
 # Every model jitted; eagerly, one of each kind of number (written, huge, none, two uses,
-# computed, held, the data's): CI's time, BUILD_NOTES "the slow tier's cases".
+# computed, held, the data's): CI's time, docs/design/tests-and-ci.md.
 SCALED_EAGER = ["times", "huge", "behind a barrier", "tied, the output scaled"]
 SCALED_EAGER += ["a computed root", "a held constant", "by the data"]
 
@@ -1959,8 +1959,7 @@ GRADIENT_VARIANTS = ["clipped", "a zero example", "padding", "huge", "looped"]
 
 
 # Each model clipped and with a zero example (the NaN this test exists for); every variant on
-# a dense and a scanned model; eagerly on the dense one (CI's time: BUILD_NOTES, "the slow
-# tier's cases").
+# a dense and a scanned model; eagerly on the dense one (CI's time: docs/design/tests-and-ci.md).
 @pytest.mark.parametrize(
     ("name", "variant", "mode"),
     [
@@ -1981,7 +1980,7 @@ def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, 
     example of zero gradient made it NaN (the root's and the exponent shift's derivatives at
     0: `_norms.root`, `_sums.scaled`). With a zero example, a padding one, inputs whose
     squares overflow, and the norms one example at a time."""
-    from optclip.ghost import _norms
+    from optclip.per_example.ghost import _norms
 
     loss, params, x = getattr(gm, name)(np.random.default_rng(51))
     floating = jnp.issubdtype(x.dtype, jnp.floating)
@@ -2337,7 +2336,7 @@ def test_a_scans_consts_and_carries_are_read_in_either_jax_layout():
     # jax 0.10 gives a `scan` its numbers of consts and carries (`num_consts`, `num_carry`);
     # jax 0.11 packs its operands' three parts (consts, carries, scanned inputs) in `ft_in`.
     # Both are read; any other layout is refused by name, never misread.
-    from optclip.ghost import _jaxprs
+    from optclip.per_example.ghost import _jaxprs
 
     w = jnp.arange(3.0)
 
@@ -2392,7 +2391,7 @@ def test_without_jaxs_source_api_the_step_is_the_same(monkeypatch):
     """`_interpret._located` keeps the model's source lines through JAX's private
     `source_info_util`; where that is missing or differs, no line is kept and nothing else
     changes."""
-    from optclip.ghost import _interpret
+    from optclip.per_example.ghost import _interpret
 
     loss, params, x = gm.mlp(np.random.default_rng(21))
     step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
@@ -2456,7 +2455,7 @@ def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypat
     without it, bit for bit, jitted and eager (on a rematerialised scan, and on the
     transformer's scanned blocks with their biases and scales), and so the float64
     reference's."""
-    from optclip.ghost import _interpret
+    from optclip.per_example.ghost import _interpret
 
     make = functools.partial(gm.scanned, remat=True) if name == "scanned" else gm.transformer
     loss, params, x = make(np.random.default_rng(24))

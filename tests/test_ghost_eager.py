@@ -14,7 +14,7 @@ import pytest
 from ghost_models import RTOL, assert_tree_close
 
 import optclip
-from optclip.ghost import _eager
+from optclip.per_example.ghost import _eager
 
 
 @pytest.fixture
@@ -50,7 +50,7 @@ def check(out, loss, params, x, clip):
 @pytest.mark.parametrize("method", ["auto", "vmap"])
 def test_an_eager_call_compiles_one_program_once_for_its_shapes(method, compiles):
     # Before, the MLP's first eager call compiled each of the engine's operations on its own:
-    # 189 compilations (BUILD_NOTES, "the eager step got slower").
+    # 189 compilations (docs/design/ghost-costs.md, "An eager call").
     loss, params, x = gm.mlp(np.random.default_rng(80))
     g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True, method=method)
     with compiles() as first:

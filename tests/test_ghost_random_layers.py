@@ -7,7 +7,7 @@ squares within a few powers of ten of float32's largest and smallest normal numb
 random lookups, ids out of range at either end.
 (`test_ghost.py`'s random models cover embeddings, stacked dense layers and scales; its fixed
 models, one arrangement of each.) ``OPTCLIP_RANDOM_EXAMPLES=400`` draws 400 examples per test
-where a run draws 8 (BUILD_NOTES: how many were searched)."""
+where a run draws 8 (docs/design/ghost-numerics.md: how many were searched)."""
 
 import os
 
@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import optclip
-from optclip.ghost import _norms
+from optclip.per_example.ghost import _norms
 
 SPATIAL = "HWD"
 EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))

@@ -12,7 +12,7 @@ import pytest
 from reference import ref_global_norm, run
 
 import optclip
-from optclip import _groups
+from optclip.norms import _groups
 
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 

@@ -14,7 +14,7 @@ from flax import nnx
 from reference import ref_global_norm, run
 
 import optclip
-from optclip import _groups, _layers
+from optclip.norms import _groups, _layers
 
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 LAYERS = 4

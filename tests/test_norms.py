@@ -10,7 +10,7 @@ import pytest
 from reference import random_leaves, ref_global_norm, run
 
 import optclip
-from optclip import _norms
+from optclip.norms import _norms
 
 pytestmark = pytest.mark.usefixtures("strict_promotion")
 

@@ -11,16 +11,16 @@ import optax
 from jax.tree_util import GetAttrKey
 
 from optclip import _checks
-from optclip._adagc import AdaGCState
-from optclip._agc import AGCState
-from optclip._autoclip import AutoClipState
-from optclip._clipped import ClippedState
-from optclip._groups import is_variable, key_text
-from optclip._guarded import GuardedState
-from optclip._loss_scale import LossScaleState
-from optclip._spikes import SpikeState
-from optclip._transforms import GlobalClipState
-from optclip._zclip import ZClipState
+from optclip.adaptive._adagc import AdaGCState
+from optclip.adaptive._agc import AGCState
+from optclip.adaptive._autoclip import AutoClipState
+from optclip.adaptive._zclip import ZClipState
+from optclip.clips._clipped import ClippedState
+from optclip.clips._transforms import GlobalClipState
+from optclip.guards._guarded import GuardedState
+from optclip.guards._loss_scale import LossScaleState
+from optclip.guards._spikes import SpikeState
+from optclip.norms._groups import is_variable, key_text
 
 KINDS = {
     GlobalClipState: "global_clip",

@@ -34,6 +34,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import optclip
+from optclip.norms import _groups, _norms
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import launch  # noqa: E402  (tests/_workers/launch.py: the sections' names and tiers)
@@ -171,7 +172,7 @@ def hlo_collectives(text):
     return shapes, gathers
 
 
-def check_hlo(name, compiled_text, max_elements=optclip._norms.STACK_CHUNK):
+def check_hlo(name, compiled_text, max_elements=_norms.STACK_CHUNK):
     """The program all-reduces only small vectors of partial sums (at most `max_elements`: one
     per leaf of a stack, or one per group), never a gradient, and all-gathers nothing."""
     shapes, gathers = hlo_collectives(compiled_text)
@@ -809,7 +810,7 @@ def auto_checks():
 
 
 def ref_group_norms(tree, spec, p=2.0):
-    names, buckets = optclip._groups.assign(spec, tree)
+    names, buckets = _groups.assign(spec, tree)
     leaves = jax.tree.leaves(tree)
     return np.array(
         [
@@ -845,7 +846,7 @@ def group_checks():
             check(f"groups/shard_map-{label}/{spec}/values", values, want)
         fn = smap(lambda t, s=spec: groups(t, s, p=math.inf)[1], mesh, (specs,), P())
         check(f"groups/shard_map-inf/{spec}", fn(g), ref_group_norms(tree, spec, math.inf))
-    names = optclip._groups.assign("leaf", tree)[0]
+    names = _groups.assign("leaf", tree)[0]
     check_hlo(
         "hlo/shard_map/group_norms",
         smap(lambda t: groups(t, "leaf")[1], mesh, (specs,), P()).lower(g).compile().as_text(),
@@ -888,7 +889,7 @@ def layer_tree(rng):
 
 def ref_layer_groups(tree, spec, stacked="blocks", p=2.0):
     """The float64 group norms of `tree` with its stacked leaves seen layer by layer."""
-    names, buckets = optclip._groups.assign(spec, tree, optclip._groups.check_stacked(stacked))
+    names, buckets = _groups.assign(spec, tree, _groups.check_stacked(stacked))
     members: list[list] = [[] for _ in names]
     for x, b in zip(jax.tree.leaves(tree), buckets):
         for layer, bucket in enumerate(b) if isinstance(b, tuple) else [(None, b)]:

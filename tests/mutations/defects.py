@@ -22,7 +22,7 @@ class Defect:
 DEFECTS: list[Defect] = [
     Defect(
         "bf16-accumulation",
-        "src/optclip/_norm_rules.py",
+        "src/optclip/norms/_reductions.py",
         "    accs = {accum_dtype(d) for d in dtypes}\n",
         "    accs = {accum_dtype(d) for d in dtypes}\n"
         "    if dtypes and all(jnp.dtype(d) == jnp.dtype(jnp.bfloat16) for d in dtypes):\n"
@@ -32,7 +32,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "inf-norm-drops-nan",
-        "src/optclip/_norm_rules.py",
+        "src/optclip/norms/_reductions.py",
         "    return jnp.where(nan_count > 0, jnp.nan, largest)",
         "    return largest",
         "the infinity norm drops a NaN (a vectorised max loses it)",
@@ -45,7 +45,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "shard-map-local-norm",
-        "src/optclip/_norms.py",
+        "src/optclip/norms/_norms.py",
         'vector = lax.psum(vector, axes) if how == "sum" else lax.pmax(vector, axes)',
         'vector = vector if how == "sum" else lax.pmax(vector, axes)',
         "the norm inside shard_map is the local shard's (psum left out)",
@@ -53,7 +53,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "clip-factor-without-min",
-        "src/optclip/_scale.py",
+        "src/optclip/norms/_scale.py",
         "    over = norm > threshold\n",
         "    over = norm > 0\n",
         "clip factor c/n without the min(1, .): small gradients are scaled up",
@@ -61,7 +61,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "value-clip-bounds-swapped",
-        "src/optclip/_functional.py",
+        "src/optclip/clips/_functional.py",
         "jnp.clip(x, lo, hi)",
         "jnp.clip(x, hi, lo)",
         "clip_by_value with its lower and upper bounds swapped",
@@ -77,7 +77,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "skipped-step-advances-adam",
-        "src/optclip/_guarded.py",
+        "src/optclip/guards/_guarded.py",
         "        ~skip, new_updates, inner_state, state.inner_state\n",
         "        ~skip, new_updates, inner_state, inner_state\n",
         "a skipped step returns zero updates but still advances the optimizer's state",
@@ -85,7 +85,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "no-backoff-in-window",
-        "src/optclip/_guarded.py",
+        "src/optclip/guards/_guarded.py",
         "scaler = _loss_scale.adjust(guards.scaling, state.scaler, finite)",
         "scaler = _loss_scale.adjust(\n"
         "            guards.scaling, state.scaler, finite | (guards.window is not None)\n"
@@ -95,7 +95,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "loss-scale-never-backs-off",
-        "src/optclip/_loss_scale.py",
+        "src/optclip/guards/_loss_scale.py",
         "jnp.where(finite, jnp.where(grow, grown, scale), backed_off)",
         "jnp.where(finite, jnp.where(grow, grown, scale), scale)",
         "an overflow leaves the dynamic loss scale where it was",
@@ -103,7 +103,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "window-restarts-as-0-times-sum",
-        "src/optclip/_accumulate.py",
+        "src/optclip/guards/_accumulate.py",
         "grads=jax.tree.map(jnp.zeros_like, state.grads),",
         "grads=jax.tree.map(lambda g: 0 * g, state.grads),",
         "the accumulation sum restarts as 0 * sum (an overflow's NaN outlives its window)",
@@ -111,7 +111,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "ghost-tied-cross-term-dropped",
-        "src/optclip/ghost/_norms.py",
+        "src/optclip/per_example/ghost/_norms.py",
         "cross = 2 * _factors.pair_term(x1, y1, x2, y2, acc)",
         "cross = 0 * _factors.pair_term(x1, y1, x2, y2, acc)",
         "the ghost norm of a tied weight leaves out its uses' cross terms (i != j)",
@@ -119,7 +119,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "ghost-padding-counted",
-        "src/optclip/ghost/_batch.py",
+        "src/optclip/per_example/ghost/_batch.py",
         "    keep = ~padding & (finite | (not s.nan_safe))",
         "    keep = finite | (not s.nan_safe)",
         "a padding example is counted in clipped_grad's sum",
@@ -127,7 +127,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "ghost-nonfinite-not-flagged",
-        "src/optclip/ghost/_norms.py",
+        "src/optclip/per_example/ghost/_norms.py",
         "    return jnp.where(flagged, jnp.asarray(jnp.nan, acc), norms)",
         "    return norms",
         "a record or output gradient that is not finite is not flagged (finite norm)",
@@ -135,15 +135,15 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "ghost-exponent-off-by-one",
-        "src/optclip/ghost/_interpret.py",
-        "    return scaled, lax.select(bad, jnp.int32(FLAG), e)",
-        "    return scaled, lax.select(bad, jnp.int32(FLAG), e - 1)",
-        "`normalized` returns an exponent one too small (every ghost norm halved)",
+        "src/optclip/per_example/ghost/_interpret.py",
+        "    up = _factors.power_of_two(2 - shift, x.dtype)",
+        "    up = _factors.power_of_two(1 - shift, x.dtype)",
+        "`scaled` divides by a power of two one too small (every ghost norm doubled)",
         ("tests/test_ghost.py",),
     ),
     Defect(
         "ghost-eager-stale-program",
-        "src/optclip/ghost/_eager.py",
+        "src/optclip/per_example/ghost/_eager.py",
         "            tuple(map(value_key, statics)),\n",
         "            tuple(map(type, statics)),\n",
         "an eager clipped_grad call's key leaves out the Python values: a stale program runs",
@@ -151,7 +151,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "ghost-normalize-by-ignored",
-        "src/optclip/ghost/_api.py",
+        "src/optclip/per_example/ghost/_api.py",
         "grads = jax.tree.map(lambda g: g / normalize_by, grads)",
         "grads = jax.tree.map(lambda g: g * 1, grads)",
         "clipped_grad's `normalize_by` is ignored",
@@ -159,7 +159,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "per-example-nonfinite-not-zeroed",
-        "src/optclip/_per_example.py",
+        "src/optclip/per_example/_clips.py",
         "        x = jnp.where(keep, x, jnp.zeros((), x.dtype))\n",
         "        x = x\n",
         'nonfinite="zero" zeroes a non-finite example\'s scale but not its values (0 * inf)',
@@ -167,7 +167,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "per-example-counts-nonfinite-as-clipped",
-        "src/optclip/_per_example.py",
+        "src/optclip/per_example/_clips.py",
         "    num_clipped = _count(finite & (norms > threshold))",
         "    num_clipped = _count(norms > threshold)",
         "num_clipped counts an example of infinite norm as clipped",
@@ -175,7 +175,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "adagc-ema-weights-swapped",
-        "src/optclip/_adagc.py",
+        "src/optclip/adaptive/_adagc.py",
         "    ema = beta * gamma + (1 - beta) * clipped",
         "    ema = beta * clipped + (1 - beta) * gamma",
         "AdaGC's EMA of the clipped norms weighs the new norm by beta",
@@ -183,7 +183,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "zclip-spike-reversed",
-        "src/optclip/_zclip.py",
+        "src/optclip/adaptive/_zclip.py",
         "    spike = z > z_thr",
         "    spike = z < z_thr",
         "ZClip's spike test compares the z-score the wrong way",
@@ -191,7 +191,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "zclip-ema-alpha-swapped",
-        "src/optclip/_zclip.py",
+        "src/optclip/adaptive/_zclip.py",
         "    ema_mean = a * mean + (1 - a) * x",
         "    ema_mean = (1 - a) * mean + a * x",
         "ZClip's EMA of the mean weighs the new norm by alpha",
@@ -199,7 +199,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "autoclip-percentile-reads-empty-slots",
-        "src/optclip/_autoclip.py",
+        "src/optclip/adaptive/_autoclip.py",
         "    valid = jnp.arange(size) < filled\n",
         "    valid = jnp.arange(size) < size\n",
         "AutoClip's percentile counts the history's unfilled (zero) slots",
@@ -207,7 +207,7 @@ DEFECTS: list[Defect] = [
     ),
     Defect(
         "spike-test-reversed",
-        "src/optclip/_spikes.py",
+        "src/optclip/guards/_spikes.py",
         "    spike = norm.astype(dtype) > norm_limit",
         "    spike = norm.astype(dtype) < norm_limit",
         "guarded's spike test skips the steps below the threshold",

@@ -1,0 +1,348 @@
+"""The per-example loss evaluated equation by equation, with taps at the sites.
+
+At every tapped site (a use of a ghost leaf, `_plans.ghost_sites`) the equation's
+floating-point outputs get a tap (`tap`: its gradient is the output gradient of that example at
+that site) and the operands that are not parameter views are recorded (the
+activations, the indices of a lookup). Calls with sites inside are evaluated inline;
+rematerialised blocks stay rematerialised (`jax.checkpoint` of the same evaluation, with their
+taps in and their records out); a `scan` stacks its records like its ``ys``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import layout
+from jax.extend import core as jcore
+
+from optclip.per_example.ghost import _factors, _jaxprs, _sites
+
+try:  # (no public way to bind under an equation's source line; without it, none is kept)
+    from jax._src import source_info_util
+except ImportError:  # pragma: no cover
+    source_info_util = None  # type: ignore[assignment]
+
+
+@dataclasses.dataclass(frozen=True)
+class Tapped:
+    """What the tapped pass gives: the losses and aux; `records` (``{record key: (array,
+    exponent)}``) and `grads` (the output gradients, ``{site id: tuple of (array,
+    exponent)}``) of the tapped sites, each `scaled` by its exponent per layer and example: the
+    arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the
+    examples, as a scan stacks them: the examples' axis of each is in `record_axes` and
+    `grad_axes`), the exponents ``(*levels, B)``; the materialised leaves' per-example
+    gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
+
+    losses: Any
+    aux: Any
+    records: dict
+    grads: dict
+    example_grads: dict
+    leaves: list
+    record_axes: dict  # {record key: the examples' axis}
+    grad_axes: dict  # {site id: the examples' axis}
+
+    @property
+    def size(self) -> int:
+        return self.losses.shape[0]
+
+    @property
+    def one_by_one(self) -> bool:
+        """Whether the examples can be taken one at a time (`example`): not when JAX's explicit
+        sharding splits the batch over a mesh (a slice of one example would be split too)."""
+        spec = getattr(getattr(jax.typeof(self.losses), "sharding", None), "spec", None)
+        return not spec or spec[0] is None
+
+    def example(self, b) -> Tapped:
+        """The same for example `b` alone (a batch of one; `b` may be traced; see
+        `one_by_one`)."""
+
+        def cut(x, axis):
+            if x.dtype == jnp.bfloat16:
+                # XLA on a CPU slices a bfloat16 array in float32: in a loop over the examples
+                # it hoisted a float32 copy of the whole array out of the loop. The array tied
+                # to `b` is not loop-invariant (a float32 array is left alone: the barrier
+                # costs time).
+                x, at = lax.optimization_barrier((x, b))
+                return lax.dynamic_slice_in_dim(x, at, 1, axis=axis)
+            return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)
+
+        return dataclasses.replace(
+            self,
+            losses=cut(self.losses, 0),
+            records={
+                k: tuple(cut(a, self.record_axes[k]) for a in pair)
+                for k, pair in self.records.items()
+            },
+            grads={
+                i: tuple(tuple(cut(a, self.grad_axes[i]) for a in pair) for pair in gs)
+                for i, gs in self.grads.items()
+            },
+            example_grads={k: cut(g, 0) for k, g in self.example_grads.items()},
+        )
+
+
+def _located(eqn):
+    """The context that gives what `eqn` binds its own source line and name, as
+    `jax.core.eval_jaxpr` does: a profile or the compiled module's metadata of the private step
+    then names the model's lines, not this module's (nothing kept where JAX's private API for
+    it is missing or differs: the step is the same)."""
+    info: Any = getattr(eqn, "source_info", None)
+    try:
+        stack = source_info_util.current_name_stack() + info.name_stack
+        return source_info_util.user_context(info.traceback, name_stack=stack)
+    except (AttributeError, TypeError):  # (a JAX whose private API differs: lines not kept)
+        return contextlib.nullcontext()
+
+
+def bind(eqn, invals):
+    """The outputs of `eqn` on `invals`, always as a list."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: tuple = ()
+    if isinstance(params, tuple):  # (older JAX: subfunctions first)
+        subfuns, params = params
+    ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
+    with contextlib.nullcontext() if ctx is None else ctx, _located(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+# The exponent stored for a record or output gradient that is not finite (its values zeroed):
+# above every other, so that a sum of exponents that includes it stays above `FLAGGED`.
+FLAG = 2**22
+FLAGGED = 2**21
+
+
+def exponent_of(x):
+    """The exponent ``e`` of the power of two near `x`'s largest magnitude (``2**(e-1) <=
+    max|x| < 2**e``, int32): `_factors.ZERO_EXPONENT` for an `x` that is 0, `FLAG` for one
+    with an entry not finite, 0 for one not floating. One reduction: no copy of `x`."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return jnp.zeros((), jnp.int32)
+    e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
+    return lax.select(e > jnp.finfo(x.dtype).maxexp, jnp.int32(FLAG), e)
+
+
+def scaled(x, e):
+    """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
+    `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of
+    `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. The
+    records and output gradients are kept as they are with their exponents, and scaled so
+    only where the norms and sums read them (after the backward pass, not beside it): no
+    product of them the norms and sums form overflows or flushes."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return x
+    e = jnp.reshape(e, jnp.shape(e) + (1,) * (x.ndim - jnp.ndim(e)))
+    bad = e >= FLAGGED
+    shift = jnp.where(bad | (e == _factors.ZERO_EXPONENT), 0, e)
+    # (``2**(2 - e)`` is a normal number for every normal largest entry's `e`, and the
+    # product, in [2, 4), times 1/4 is exact: one power of two built, not two halves)
+    up = _factors.power_of_two(2 - shift, x.dtype)
+    return jnp.where(bad, jnp.zeros((), x.dtype), (x * up) * jnp.asarray(0.25, x.dtype))
+
+
+@jax.custom_vjp
+def tap(y, t, e):
+    """`y`, whose output gradient comes out as the gradients of its taps `t` (zeros of `y`'s
+    shape) and `e` (a zero per example): the output gradient itself and its `exponent_of`.
+    The forward pass never reads `t` (unlike ``y + t``, nothing of its size is formed). The
+    output gradient is held row-major (`in_row_major`): XLA's GPU layout assignment otherwise
+    gave it, in a scanned layer with a materialised bias, the layout of that bias's
+    per-example sum, and transposed it for every reader; a CPU lays it out row-major
+    already."""
+    del t, e
+    return y
+
+
+def _tap_forward(y, t, e):
+    del t, e
+    return y, None
+
+
+def _tap_backward(_, g):
+    g = in_row_major(g)
+    return g, g, exponent_of(g).astype(jnp.float32)
+
+
+def in_row_major(x):
+    """`x` held in the row-major layout (a layout constraint: the same values)."""
+    return layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
+
+
+tap.defvjp(_tap_forward, _tap_backward)
+
+
+def _broadcast(site) -> bool:
+    """Whether `site` is an elementwise operation of floats that broadcasts a parameter view
+    implicitly (size-1 dimensions: a scale's ``(1, 1, d)`` against ``(1, T, d)``)."""
+    eqn = site.eqn
+    shape = eqn.outvars[0].aval.shape
+    floats = all(_jaxprs.is_float(v) for v in eqn.invars)
+    wide = any(eqn.invars[pos].aval.shape != shape for pos, _ in site.views)
+    return eqn.primitive.name in _sites.ELEMENTWISE and floats and wide
+
+
+def _apart(eqn, positions):
+    """`eqn` as a function whose backward sums each broadcast view's gradient over the
+    broadcast dimensions with the size-1 dimensions dropped first: XLA on the CPU runs ``sum_t
+    G * x_hat`` over ``(B, 1, T, d)`` (the example's batch axis of one next to the summed one)
+    some 70 times slower than over ``(B, T, d)``. The forward pass and its residuals are the
+    equation's own (none for a sum or a difference)."""
+    shape = eqn.outvars[0].aval.shape
+    wide = [d for d, n in enumerate(shape) if n != 1]
+
+    @jax.custom_vjp
+    def f(*invals):
+        return bind(eqn, list(invals))
+
+    linear = eqn.primitive.name not in ("mul", "div")  # (its backward reads no operand)
+
+    def forward(*invals):
+        return bind(eqn, list(invals)), (None if linear else invals)
+
+    def backward(invals, cotangents):
+        if linear:
+            invals = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+        full = [jnp.broadcast_to(x, shape) if i in positions else x for i, x in enumerate(invals)]
+        _, pull = jax.vjp(lambda *xs: bind(eqn, list(xs)), *full)
+        grads = list(pull(list(cotangents)))
+        for i in positions:
+            g = grads[i].reshape([shape[d] for d in wide])
+            own = jnp.shape(invals[i])  # () for a scalar against the whole output
+            summed = tuple(k for k, d in enumerate(wide) if not own or own[d] == 1)
+            grads[i] = jnp.sum(g, axis=summed).reshape(own).astype(grads[i].dtype)
+        return tuple(grads)
+
+    f.defvjp(forward, backward)
+    return f
+
+
+def float_outputs(eqn):
+    """The indices of `eqn`'s floating-point outputs (the ones tapped)."""
+    return [j for j, v in enumerate(eqn.outvars) if _jaxprs.is_float(v)]
+
+
+def tap_shapes(sites):
+    """One example's taps of `sites` (``{id: site}``): ``{site id: tuple of (ShapeDtypeStruct,
+    ShapeDtypeStruct)}``, per floating output its own zeros and a zero for its exponent,
+    stacked along the scans the site is in."""
+    return {
+        i: tuple(
+            (
+                jax.ShapeDtypeStruct(
+                    (*site.stack, *site.eqn.outvars[j].aval.shape),
+                    site.eqn.outvars[j].aval.dtype,
+                ),
+                jax.ShapeDtypeStruct(site.stack, jnp.float32),
+            )
+            for j in float_outputs(site.eqn)
+        )
+        for i, site in sites.items()
+    }
+
+
+def site_records(site, records):
+    """`site`'s recorded operands, from the records of the tapped pass."""
+    return [records[key] for key in site.records]
+
+
+def recorded_positions(site):
+    """The operand positions of `site` that are recorded (every one but the views)."""
+    views = {pos for pos, _ in site.views}
+    return [i for i in range(len(site.eqn.invars)) if i not in views]
+
+
+def run(jaxpr, consts, args, plan, taps, records, batched):
+    """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
+    sites, filling `records` (``{record key: (recorded operand, its `exponent_of`)}``)
+    with theirs; `batched` holds the ids of the sites whose operands differ between examples
+    (`_trace.batched_sites`). Returns the outputs."""
+    env: dict = {}
+
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = x
+    for v, x in zip(jaxpr.invars, args, strict=True):
+        env[v] = x
+    for index, eqn in enumerate(jaxpr.eqns):
+        invals = [read(v) for v in eqn.invars]
+        subplan = plan.subplans.get(index)
+        if subplan is not None and any(site.id in taps for site in subplan.all_sites()):
+            outs = _call(eqn, subplan, invals, taps, records, batched)
+        else:
+            site = plan.sites.get(index)
+            if site is not None and site.id not in taps and _broadcast(site):
+                outs = _apart(eqn, tuple(pos for pos, _ in site.views))(*invals)
+            else:
+                outs = bind(eqn, invals)
+            if site is not None and site.id in taps:
+                for key, i in zip(site.records, recorded_positions(site), strict=True):
+                    if key not in records:
+                        e = exponent_of(invals[i])
+                        records[key] = (scaled(invals[i], e), e)
+                for (t, e), j in zip(taps[site.id], float_outputs(eqn), strict=True):
+                    # (an output shared by the batch, not in `batched`, made each example's)
+                    y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)
+                    outs[j] = tap(y, t, e)
+        for v, x in zip(eqn.outvars, outs, strict=True):
+            if not isinstance(v, jcore.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _scan(eqn, subplan, invals, taps, records, batched):
+    """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
+    sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
+    params = eqn.params
+    body = params["jaxpr"]
+    consts, carry = _jaxprs.scan_counts(eqn)
+    ids = [site.id for site in subplan.all_sites() if site.id in taps]
+
+    def step(state, x):
+        xs, step_taps = x
+        step_records: dict = {}
+        args = [*invals[:consts], *state, *xs]
+        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, batched)
+        return outs[:carry], (outs[carry:], step_records)
+
+    state, (ys, scan_records) = lax.scan(
+        step,
+        invals[consts : consts + carry],
+        (invals[consts + carry :], {i: taps[i] for i in ids}),
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+    )
+    records.update(scan_records)
+    return [*state, *ys]
+
+
+def _call(eqn, subplan, invals, taps, records, batched):
+    """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
+    if eqn.primitive.name == "scan":
+        return _scan(eqn, subplan, invals, taps, records, batched)
+    jaxpr, consts = _jaxprs.sub_jaxpr(eqn)
+    if eqn.primitive.name not in _jaxprs.REMATS:
+        return run(jaxpr, consts, invals, subplan, taps, records, batched)
+    ids = [site.id for site in subplan.all_sites() if site.id in taps]
+
+    def block(invals, block_taps):
+        block_records: dict = {}
+        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, batched)
+        return outs, block_records
+
+    remat = jax.checkpoint(
+        block,
+        prevent_cse=eqn.params.get("prevent_cse", True),
+        policy=eqn.params.get("policy"),
+    )
+    outs, block_records = remat(invals, {i: taps[i] for i in ids})
+    records.update(block_records)
+    return outs

@@ -1,0 +1,221 @@
+r"""Each example's gradient norm from the tapped pass: every leaf's squared norm by its route
+(`_plans.route`), as terms, and all of them added.
+
+The tapped pass keeps every record and output gradient `_interpret.scaled`: divided by a
+power of two near its largest magnitude, per layer and example, with that power's exponent.
+A use's factors built from them (`_factors`) are then in [-1, 1], so that no Gram or product
+of them overflows, and the products that flush are below ``2**-126`` of their largest: each
+term is exact to rounding, at every magnitude. A leaf's squared norm over a group of its uses
+(those whose cross terms count) is
+
+.. math:: \sum_{u, v} s_u s_v \langle g_u, g_v \rangle, \qquad
+          \langle g_u, g_v \rangle = t_{uv}\, 2^{k_u + k_v}
+
+where ``s_u`` is the number the use's view scales the leaf by, ``t_uv`` the pair's term on
+the normalized factors (`_factors.pair_term`, `_factors.self_term`) and ``k_u`` the sum of
+its factors' exponents. A materialised leaf's is its normalized per-example gradient's sum of
+squares. Every term is carried with its power of two and all of them are added at the
+largest (`combine`): nothing leaves float32's range. A term that is 0 does not set that
+scale (the others would flush), and the cross terms of a use whose own term is 0 are 0 (its
+gradient is). An example with a record or output gradient that is not finite has a NaN norm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from optclip.norms import _reductions
+from optclip.per_example.ghost import _factors, _interpret, _plans, _rules
+from optclip.per_example.ghost._plans import Mode, Route
+from optclip.per_example.ghost._target import Target
+
+# The per-example multiply-adds of the Grams above which, on a CPU, the norms are taken one
+# example at a time (each example's Grams while its factors are in the cache).
+LOOP_WORK = 2**23
+ZERO = _factors.ZERO_EXPONENT
+
+
+def accumulation(t: _interpret.Tapped):
+    """The dtype every norm is accumulated in (float32, or float64 for float64 leaves)."""
+    return _reductions.widest_accum_dtype([x.dtype for x in t.leaves] or [jnp.float32])
+
+
+def aligned(site, x, e):
+    """A record or output gradient `x` of `site` (laid out ``(*levels, B, ...)``) and its
+    exponents `e` (``(*levels, B)``), the levels at which the site's view is the same at
+    every iteration (a weight applied at every step of its scan, whose uses are summed) brought
+    to their largest exponent (a multiply by a power of two <= 1), so that one exponent holds
+    for all of them: ``(x, e)`` with `e` shaped ``(L, B)``, ``L`` the sliced levels."""
+    sliced = _factors.sliced_levels(site)
+    const = tuple(i for i, s in enumerate(sliced) if not s)
+    if const:
+        top = jnp.max(e, axis=const, keepdims=True)
+        shift = jnp.where(top == ZERO, 0, jnp.maximum(e - top, 2 * ZERO))
+        first, second = _factors.powers_of_two(shift, x.dtype)
+        at = lambda h: h.reshape(h.shape + (1,) * (x.ndim - h.ndim))  # noqa: E731
+        x = (x * at(first)) * at(second)
+        e = jnp.squeeze(top, const)
+    return x, e.reshape(-1, e.shape[-1])
+
+
+def use_factors(plan, t: _interpret.Tapped, acc) -> list:
+    """A ghost leaf's uses' factors and their exponents ``[(x, ex, y, ey)]``, each aligned to
+    the first use's layout."""
+    out = []
+    for use in plan.uses:
+        site = use.site
+        record, grad = t.records[site.records[0]], t.grads[site.id][0]
+        (r, er), (g, eg) = aligned(site, *record), aligned(site, *grad)
+        x, y = _rules.of(site).factors(site, r, g, acc)
+        out.append((y, eg, x, er) if use.swapped else (x, er, y, eg))
+    return out
+
+
+def _number(scale, acc):
+    """A use's number as ``(m, k)``, ``scale = m * 2**k``: Python numbers for a float, arrays
+    for a traced one (`m` taken from the number itself, times exact powers of two, so that a
+    gradient with respect to it passes; NaN where it is not finite)."""
+    if isinstance(scale, float):
+        return math.frexp(scale)
+    s = scale.astype(jnp.promote_types(scale.dtype, jnp.float32))
+    k = _factors.exponent(jnp.abs(lax.stop_gradient(s)))
+    k = jnp.where(k == ZERO, 0, k)
+    low, high = _factors.powers_of_two(-k, s.dtype)
+    return jnp.where(jnp.isfinite(s), (s * low) * high, jnp.nan).astype(acc), k
+
+
+def leaf_terms(plan, uses, route: Route, acc) -> list:
+    """A ghost leaf's terms ``[(value, exponent)]`` (``(L, B)`` each: ``value * 2**exponent``
+    added up is its squared norm), from its uses' factors (`use_factors`)."""
+    out = []
+    for group in plan.groups:
+        chosen = [uses[i] for i in group]
+        numbers = [_number(plan.scales[i], acc) for i in group] if plan.scales else None
+        ks = [ex + ey for _, ex, _, ey in chosen]
+        if numbers:
+            ks = [k + n for k, (_, n) in zip(ks, numbers, strict=True)]
+        own = {}
+        for i, (x, _, y, _) in enumerate(chosen):
+            own[i] = _factors.self_term(x, y, acc, route is Route.DIRECT)
+        for i, j in itertools.combinations_with_replacement(range(len(chosen)), 2):
+            if i == j:
+                value = own[i]
+            else:  # (a use whose own term is 0 has a zero gradient: so are its cross terms)
+                x1, _, y1, _ = chosen[i]
+                x2, _, y2, _ = chosen[j]
+                cross = 2 * _factors.pair_term(x1, y1, x2, y2, acc)
+                value = jnp.where((own[i] == 0) | (own[j] == 0), 0, cross)
+            if numbers:
+                for m in (numbers[i][0], numbers[j][0]):
+                    value = value if isinstance(m, float) and m == 1.0 else value * m
+            out.append((value, ks[i] + ks[j]))
+    return out
+
+
+def _flagged(exponents) -> jax.Array:
+    """Per example: whether any of `exponents` (``(L, B)`` arrays) marks a value not finite."""
+    return jnp.any(
+        jnp.concatenate([e.reshape(-1, e.shape[-1]) for e in exponents]) >= _interpret.FLAGGED,
+        axis=0,
+    )
+
+
+def combine(terms, flagged, acc):
+    """The examples' norms (shape (B,)) from `terms` ``[(value, exponent)]`` (``(L, B)``
+    each), added at the largest exponent among the terms that are not 0 (each shifted by a
+    power of two <= 1); NaN where `flagged`."""
+    values = jnp.concatenate([v.astype(acc).reshape(-1, v.shape[-1]) for v, _ in terms])
+    exponents = jnp.concatenate(
+        [jnp.broadcast_to(e, v.shape).reshape(-1, v.shape[-1]) for v, e in terms]
+    )
+    exponents = jnp.where(exponents >= _interpret.FLAGGED, 0, exponents)
+    counted = jnp.where(values == 0, ZERO, exponents)
+    top = jnp.max(counted, axis=0)
+    shift = jnp.where(top == ZERO, 0, jnp.maximum(counted - top, 2 * ZERO))
+    first, second = _factors.powers_of_two(shift, acc)
+    total = jnp.maximum(jnp.sum((values * first) * second, axis=0), 0)
+    top = jnp.where(top == ZERO, 0, top)
+    odd = top & 1  # (``2**top`` is ``2**odd`` under the root, ``2**(top // 2)`` outside it)
+    first, second = _factors.powers_of_two((top - odd) >> 1, acc)
+    norms = (root(total * (1 + odd).astype(acc)) * first) * second
+    return jnp.where(flagged, jnp.asarray(jnp.nan, acc), norms)
+
+
+def root(total):
+    """``sqrt(total)``, its derivative 0 where `total` is 0 (not NaN: the gradient through
+    `clipped_grad` passes through the norms)."""
+    zero = total == 0
+    return jnp.where(zero, 0, jnp.sqrt(jnp.where(zero, 1, total))).astype(total.dtype)
+
+
+def materialised(plans, t: _interpret.Tapped):
+    """Every materialised leaf's per-example gradient as one ``(B, N)`` array (None where none
+    is materialised)."""
+    grads = [t.example_grads[k].reshape(t.size, -1) for k in _plans.materialised(plans)]
+    if not grads:
+        return None
+    return grads[0] if len(grads) == 1 else jnp.concatenate(grads, axis=1)
+
+
+def _materialised_term(grads, acc):
+    """The materialised leaves' term ``(value, exponent)`` (``(1, B)``): their per-example
+    gradients `grads` (`materialised`) divided by a power of two near each example's largest
+    magnitude inside their sum of squares (exact at every magnitude, no copy); and whether
+    each example's are not finite."""
+    f = _factors.squares(grads, acc)
+    e = _factors.exponent(lax.stop_gradient(_factors.magnitude(f)))
+    bad = e > jnp.finfo(acc).maxexp
+    e = jnp.where(bad | (e == ZERO), 0, e)
+    value = jnp.sum(jnp.square(_factors.divided(f, e).values), axis=(2, 3, 4))
+    return (value, 2 * e), bad[0]
+
+
+def _all_leaves(plans, t: _interpret.Tapped, acc):
+    """Every leaf's norms, combined."""
+    terms, exponents, flagged = [], [], jnp.zeros((t.size,), bool)
+    grads = materialised(plans, t)
+    if grads is not None:
+        term, flagged = _materialised_term(grads, acc)
+        terms.append(term)
+    for plan in plans:
+        if plan.mode is not Mode.GHOST:
+            continue
+        uses = use_factors(plan, t, acc)
+        route = _plans.route(plan, [(x.shape, y.shape) for x, _, y, _ in uses])
+        assert route is not None  # (a ghost leaf)
+        terms += leaf_terms(plan, uses, route, acc)
+        exponents += [e for _, ex, _, ey in uses for e in (ex, ey)]
+    if not terms:
+        return jnp.zeros((t.size,), acc)
+    if exponents:
+        flagged |= _flagged(exponents)
+    return combine(terms, flagged, acc)
+
+
+def _gram_work(plans, t, acc) -> int:
+    """The multiply-adds of one example's Grams (every ghost use's own, ``L H K^2 (Sx +
+    Sy)``), from the shapes of its factors."""
+    shapes: list = []
+
+    def count():  # (shapes only: `jax.eval_shape` computes nothing)
+        for p in plans:
+            if p.mode is Mode.GHOST:
+                shapes.extend((x.shape, y.shape) for x, _, y, _ in use_factors(p, t, acc))
+
+    jax.eval_shape(count)
+    return sum(x[0] * x[2] * x[3] * x[3] * (x[4] + y[4]) for x, y in shapes)
+
+
+def norms(plans, t: _interpret.Tapped, target: Target) -> jax.Array:
+    """The examples' norms (shape (B,)): on a CPU one example at a time where one example's
+    Grams take at least `LOOP_WORK` multiply-adds (below that the loop's iterations cost more
+    than they save), else the whole batch at once (a GPU would serialise the loop)."""
+    acc = accumulation(t)
+    if t.one_by_one and _gram_work(plans, t, acc) >= LOOP_WORK and target.cpu:
+        return lax.map(lambda b: _all_leaves(plans, t.example(b), acc)[0], jnp.arange(t.size))
+    return _all_leaves(plans, t, acc)

@@ -1,0 +1,302 @@
+"""Views of a parameter leaf: the leaf after the operations that leave its gradient in closed
+form, kept as a chain so that a gradient can be pulled back through them.
+
+A view is the leaf after linear, shape-only operations (a dtype conversion, reshape,
+transpose, broadcast, squeeze, copy, slice, a sharding constraint), after scalings by a number
+written in the loss (``w * 0.5``, ``2.0 * w``, ``w / 3.0``, ``-w``: muP's or an equalised
+learning rate's multipliers; the gradient of the leaf is that number times the view's, so a
+ghost norm is its absolute value times the view's; a number the loss computes from such
+numbers and from constants it holds, ``w * jnp.sqrt(1 / d)``, ``w * lax.rsqrt(d)``, is one
+too: `fold` computes it while the loss is traced; so is a number traced outside the loss, the
+same for every example, ``w * s`` with ``s`` an argument of the caller's `jit`: its value is
+the step's, and the norm's scale is computed on the device), and inside the `scan` bodies it
+enters (sliced as stacked layers, or the same at every step). An identity that only names or orders
+it (``checkpoint_name`` for a rematerialisation policy, ``optimization_barrier``) leaves the
+view as it is. `_trace` builds views while it walks the loss's jaxpr.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jcore
+
+from optclip.per_example.ghost import _jaxprs
+
+VIEW_PRIMITIVES = frozenset(
+    {
+        "convert_element_type",
+        "reshape",
+        "transpose",
+        "broadcast_in_dim",
+        "squeeze",
+        "copy",
+        "copy_p",
+        "expand_dims",
+        "slice",
+        "sharding_constraint",  # (`with_sharding_constraint` on a weight: where it is held)
+    }
+)
+# Views whose gradient is the leaf's own elements permuted: a closed form keeps its layout.
+PLAIN_PRIMITIVES = frozenset(
+    {"convert_element_type", "transpose", "copy", "copy_p", "sharding_constraint"}
+)
+# Operations whose outputs are their operands, each its own (a name for rematerialisation
+# policies, an ordering for XLA): a view passes through them unchanged.
+IDENTITIES = frozenset({"name", "optimization_barrier"})
+SCALINGS = frozenset({"mul", "div", "neg"})  # by a scalar written in the loss: `scaling`
+# Arithmetic on numbers: what `fold` computes while the loss is traced (no collective, no
+# random number, no loop, nothing whose value depends on where or when it runs).
+ARITHMETIC = frozenset(
+    {
+        *("add", "sub", "mul", "div", "rem", "neg", "abs", "sign", "max", "min", "clamp"),
+        *("pow", "integer_pow", "sqrt", "rsqrt", "cbrt", "square", "exp", "exp2", "log"),
+        *("log1p", "expm1", "tanh", "logistic", "sin", "cos", "tan", "atan2", "erf", "erf_inv"),
+        *("floor", "ceil", "round", "is_finite", "convert_element_type", "copy", "copy_p"),
+        *("eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "select_n"),
+    }
+)
+SLICED, CONSTANT = "scan slice", "scan constant"  # chain entries: a view enters a scan body
+SCALED = "scale"  # chain entry: the view times a number (`View.scale`)
+
+
+@dataclasses.dataclass(frozen=True)
+class View:
+    """A parameter leaf (its index among the parameter leaves) after `chain`: the
+    ``(primitive, params)`` of the view operations applied to it, first to last; an entry into
+    a scan's body is ``(SLICED or CONSTANT, its length)``, a scaling ``(SCALED, (primitive,
+    params, number))``."""
+
+    leaf: int
+    shape: tuple = ()  # the leaf's
+    chain: tuple = ()
+
+    def then(self, eqn) -> View:
+        return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
+
+    def times(self, eqn, number) -> View:
+        """The view after `eqn`, a `scaling` of it by `number` (None for a negation)."""
+        scaled = (eqn.primitive, dict(eqn.params), number)
+        return View(self.leaf, self.shape, self.chain + ((SCALED, scaled),))
+
+    @property
+    def scale(self):
+        """The number the chain multiplies the leaf by (1.0 for none): the gradient of the
+        leaf is this times the view's. A float, or a traced scalar where a number in the chain
+        is traced outside the loss (`traced`)."""
+        out = 1.0
+        for primitive, params in self.chain:
+            if primitive == SCALED:
+                scaling, _, number = params
+                if scaling.name == "neg":
+                    out = -out
+                else:
+                    number = number if traced(number) else float(number)
+                    out = out * number if scaling.name == "mul" else out / number
+        return out
+
+    @property
+    def scale_key(self):
+        """What `scale` is, comparable between views: the float, or for a chain with a traced
+        number the chain's scalings with each traced number by identity (views scaled by the
+        same traced value compare equal; the same value computed twice does not)."""
+        numbers = [params for primitive, params in self.chain if primitive == SCALED]
+        if not any(traced(number) for _, _, number in numbers):
+            return self.scale
+        return tuple(
+            (s.name, ("traced", id(n)) if traced(n) else None if n is None else float(n))
+            for s, _, n in numbers
+        )
+
+    def unscaled(self) -> View:
+        """The view without its scalings (the leaf's gradient is `scale` times its)."""
+        return View(self.leaf, self.shape, tuple(e for e in self.chain if e[0] != SCALED))
+
+    def enter_scan(self, sliced: bool, length: int) -> View:
+        """The view inside a `scan`'s body: one slice per iteration (`sliced`, an ``xs``
+        operand) or the whole view at every iteration (a constant)."""
+        return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
+
+    @property
+    def depth(self) -> int:
+        """How many `scan` bodies the view is inside."""
+        return sum(p in (SLICED, CONSTANT) for p, _ in self.chain)
+
+    def stacked(self, value):
+        """The view of the leaf's `value` at every iteration of the scans it is inside:
+        shape ``(*lengths, *view shape)`` (a constant is broadcast along its scan's axis)."""
+        depth = 0
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                depth += 1
+            elif primitive == CONSTANT:
+                value = jnp.broadcast_to(
+                    jnp.expand_dims(value, depth),
+                    (*value.shape[:depth], params, *value.shape[depth:]),
+                )
+                depth += 1
+            elif primitive == SCALED:
+                scaling, bound, number = params
+                operands = () if number is None else (jnp.asarray(number, value.dtype),)
+                value = scaling.bind(value, *operands, **bound)  # (shape (): any depth)
+            else:
+                bind = functools.partial(primitive.bind, **params)
+                for _ in range(depth):
+                    bind = jax.vmap(bind)
+                value = bind(value)
+        return value
+
+    def leaf_dims(self):
+        """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
+        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
+        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
+        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
+        for any other chain (a reshape, a broadcast, a slice of a range)."""
+        dims, shape = list(range(len(self.shape))), list(self.shape)
+        levels: list[int | None] = []
+        pins: dict[int, int] = {}
+        for primitive, params in self.chain:
+            if primitive == SLICED:
+                levels.append(dims.pop(0))
+                shape.pop(0)
+            elif primitive == CONSTANT:
+                levels.append(None)
+            elif primitive == SCALED:
+                continue  # (elementwise: every element scaled alike)
+            elif primitive.name == "transpose":
+                dims = [dims[i] for i in params["permutation"]]
+                shape = [shape[i] for i in params["permutation"]]
+            elif primitive.name == "slice":
+                strides = params["strides"] or (1,) * len(shape)
+                for d, (lo, hi, st) in enumerate(
+                    zip(params["start_indices"], params["limit_indices"], strides, strict=True)
+                ):
+                    if hi - lo == 1 and shape[d] > 1:
+                        pins[dims[d]] = lo
+                        shape[d] = 1
+                    elif (lo, hi, st) != (0, shape[d], 1):
+                        return None
+            elif primitive.name == "squeeze":
+                for d in params["dimensions"]:
+                    pins.setdefault(dims[d], 0)
+                dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
+                shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
+            elif primitive.name not in PLAIN_PRIMITIVES:
+                return None
+        return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
+
+
+def scaling(eqn, used, known):
+    """The number a `mul`, `div` or `neg` multiplies its one view by, when that number is
+    written in the loss (a scalar literal: ``w * 0.5``, ``2.0 * w``, ``w / 3.0``), computed
+    from such numbers (`known`: `fold`'s) or traced outside the loss (a scalar the caller's
+    `jit` traces, the same for every example: returned traced, its value the step's), None
+    for ``-w``, else False (a product of two views, a scale that depends on the data or the
+    parameters, a division by the view or by a written 0, a written number not finite, or a
+    `mul` by an array: each a site)."""
+    name = eqn.primitive.name
+    if name not in SCALINGS or len(used) != 1 or not _jaxprs.is_float(eqn.outvars[0]):
+        return False
+    pos = used[0][0]
+    if name == "neg":
+        return None
+    other = eqn.invars[1 - pos]
+    value = constant(other, known)
+    if value is None or value.shape or not jnp.issubdtype(value.dtype, jnp.floating):
+        return False
+    if traced(value):
+        return value if name == "mul" or pos == 0 else False
+    number = float(value)
+    if not math.isfinite(number) or (name == "div" and (pos != 0 or number == 0)):
+        return False  # (a site: JAX's own infinities and NaNs, materialised)
+    return value
+
+
+def constant(var, known):
+    """The value of `var` where it is a literal or in `known` (a NumPy array, or a traced
+    scalar: `held`), else None."""
+    if isinstance(var, jcore.Literal):
+        return np.asarray(var.val, getattr(var.aval, "dtype", None))
+    return known.get(var) if isinstance(var, jcore.Var) else None
+
+
+def held(variables, values) -> dict:
+    """``{variable: value}`` for the scalars among `values` (a jaxpr's consts, a call's
+    operands: numbers the loss holds or is passed). A scalar held on a device is read once,
+    while tracing (`_while_tracing`); one traced outside the loss (a `Tracer` of the caller's
+    `jit`, `vmap` or `scan`: not an argument of the loss, so the same for every example) is
+    kept traced: its value is known when the step runs, in the trace the step runs in."""
+    out = {}
+    with _while_tracing():
+        for var, value in zip(variables, values, strict=True):
+            if not isinstance(var, jcore.Var) or value is None or np.shape(value):
+                continue
+            if traced(value):
+                if _scalar(value):
+                    out[var] = value
+            else:
+                out[var] = np.asarray(value)
+    return out
+
+
+def traced(value) -> bool:
+    """Whether a known number is traced outside the loss (its value the step's)."""
+    return isinstance(value, jax.core.Tracer)
+
+
+def fold(eqn, known) -> bool:
+    """Computes `eqn` now, into `known`, where its operands are all `constant` and it makes
+    numbers from numbers: scalars in and out, by arithmetic (`ARITHMETIC`) or a call of such
+    equations (``jnp.clip``). ``jnp.sqrt(1 / d)`` and its conversion to the weight's dtype
+    are, so that a weight scaled by it is a view; a collective (``lax.psum(1, axis)``, whose
+    value is the mesh's), a random number or a loop is not. Returns whether it did. The
+    traced loss computes it again; the value is the same to rounding. With a number traced
+    outside the loss among its operands it is computed in the caller's trace (traced too)."""
+    values = [constant(v, known) for v in eqn.invars]
+    if any(v is None or not _scalar(v) for v in values):
+        return False
+    if not all(_scalar(v.aval) for v in eqn.outvars):
+        return False
+    called = _jaxprs.sub_jaxpr(eqn) if eqn.primitive.name in _jaxprs.CALLS else None
+    if called is not None:
+        inner = held(called[0].constvars, called[1]) | held(called[0].invars, values)
+        if not all(fold(e, inner) for e in called[0].eqns):
+            return False
+        outs = [constant(v, inner) for v in called[0].outvars]
+        if any(o is None for o in outs):
+            return False
+    elif eqn.primitive.name in ARITHMETIC and any(traced(v) for v in values):
+        out = eqn.primitive.bind(*values, **eqn.params)  # (in the caller's trace, with them)
+        outs = list(out) if eqn.primitive.multiple_results else [out]
+    elif eqn.primitive.name in ARITHMETIC:
+        with _while_tracing(), jax.ensure_compile_time_eval():
+            out = eqn.primitive.bind(*values, **eqn.params)
+            outs = [np.asarray(o) for o in (out if eqn.primitive.multiple_results else [out])]
+    else:
+        return False
+    known.update(zip(eqn.outvars, outs, strict=True))
+    return True
+
+
+def _while_tracing():
+    """Where `held` and `fold` compute and read numbers: while the loss is traced, once per
+    compilation, never on the step. The scalars go to the device and back then, as any
+    constant computed eagerly does; under ``jax.transfer_guard("disallow")`` (optclip's promise
+    of no host sync, which covers tracing too) these transfers, and only these, are allowed."""
+    return jax.transfer_guard("allow")
+
+
+def _scalar(x) -> bool:
+    """Whether `x` (an array or an abstract value) is a number: shape (), a numeric dtype."""
+    return not getattr(x, "shape", (1,)) and _numeric(getattr(x, "dtype", None))
+
+
+def _numeric(dtype) -> bool:
+    if dtype is None:
+        return False
+    return jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
