@@ -8,10 +8,10 @@ Nothing here is a hand-kept list, so the site cannot drift from the code:
 
 * the API page (``api.rst``, directive ``optclip-api``) documents every name of
   ``optclip.__all__``, grouped by what it is; a name no rule recognises goes to "Other";
-* the home page (``index.md``) is README.md and ``build_notes.md`` is BUILD_NOTES.md, included
-  where the page has a line ``<!-- include ../README.md -->``; in every Markdown page, and in
-  what it includes, links to files of the repository (written as relative paths, so that they
-  work on GitHub) are made to work in the site (see `_site_links`);
+* the home page (``index.md``) is README.md, included where the page has a line
+  ``<!-- include ../README.md -->``; in every Markdown page (the guides, the design pages of
+  ``docs/design/``), and in what a page includes, links to files of the repository (written as
+  relative paths, so that they work on GitHub) are made to work in the site (see `_site_links`);
 * ``docs/examples/`` is written here, one page per ``examples/*.py`` (its module docstring,
   then its full source), and is not kept in git.
 
@@ -21,6 +21,10 @@ one: write ``docs/guides/NAME.md`` (a ``# `` title; links relative to the page),
 an error here), and a paragraph linking it to the README's "Guides" section.
 ``tests/test_doc_blocks.py`` runs its Python blocks and compares what they print with the
 ```text block after each; ``tests/test_docs.py`` checks that the page is built and linked.
+
+The design pages (how optclip is built, and why) are Markdown files in ``docs/design/``, listed
+in the toctree of ``design/index.md``; ``tests/test_docs.py`` checks that each is a page with
+its sections.
 
 Math is rendered to MathML when the site is built (``latex2mathml``): the pages need no
 JavaScript and no CDN, and read the same offline.
@@ -232,7 +236,7 @@ def _document_namedtuple_fields(app, what, name, obj, options, lines):
     lines[:] = [comment] if comment else []
 
 
-# == Markdown: README.md and BUILD_NOTES.md included, links made to work in the site ===========
+# == Markdown: README.md included, links made to work in the site ================================
 
 _FENCE = re.compile(r"^\s*(```+|~~~+)")
 _LINK = re.compile(r"(!?)\[([^\]]*)\]\(([^)\s]+)\)")
@@ -274,14 +278,14 @@ def _site_target(target: str, source_dir: Path, page_dir: Path, image: bool) -> 
 
 
 def _site_links(markdown: str, source_dir: Path, page_dir: Path) -> str:
-    """Markdown written in `source_dir` (README.md, BUILD_NOTES.md, a guide), with its links
+    """Markdown written in `source_dir` (README.md, a guide, a design page), with its links
     made to work from a page of the site in `page_dir`.
 
     Relative links are written for GitHub, as paths from the file to the file they point to.
-    In the site, a link to README.md or BUILD_NOTES.md goes to the page that includes it, one to
+    In the site, a link to README.md goes to the page that includes it (the home page), one to
     an example (and a bare `` `examples/NAME.py` ``) to the example's page, one to a page of the
-    site stays a link to that page, and one to another file of the repository goes to it on the
-    source host. Fenced code blocks are left as they are.
+    site (a guide, ``docs/design/NAME.md``) stays a link to that page, and one to another file
+    of the repository goes to it on the source host. Fenced code blocks are left as they are.
     """
     examples = set(_example_names())
     out, fence = [], None

@@ -3,9 +3,9 @@
 One Sphinx build (a few seconds) into a temporary folder, then its HTML is read: every name of
 ``optclip.__all__`` (and every field of the state classes) on the API page, a page per
 example with its docstring and whole source, README.md as the home page (its quickstart code
-included) with links to every guide, the API page, the examples and the build notes, each guide
-of ``docs/guides/`` as a page with its code and output, BUILD_NOTES.md as a page, no raw reST or
-TeX in the rendered text, and no broken internal link.
+included) with links to every guide, the API page, the examples and the design pages, each guide
+of ``docs/guides/`` as a page with its code and output, each design page of ``docs/design/`` as
+a page with its sections, no raw reST or TeX in the rendered text, and no broken internal link.
 Needs the docs extra: ``python -m pip install -e ".[docs]"``.
 """
 
@@ -107,6 +107,7 @@ def code_lines(path: Path) -> list[str]:
 
 
 GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
+DESIGN = sorted((ROOT / "docs" / "design").glob("*.md"))
 
 
 @pytest.fixture(scope="module")
@@ -188,10 +189,10 @@ def test_readme_is_the_home_page(site):
         assert normalize(line) in home.text, f"quickstart line not on the home page: {line!r}"
 
 
-def test_home_page_links_guides_api_examples_and_build_notes(site):
+def test_home_page_links_guides_api_examples_and_design(site):
     hrefs = {urlsplit(href).path for href in Page(site / "index.html").hrefs}
     pages = [f"guides/{g.stem}.html" for g in GUIDES]
-    pages += ["api.html", "examples/index.html", "build_notes.html"]
+    pages += ["api.html", "examples/index.html", "design/index.html"]
     missing = [page for page in pages if page not in hrefs]
     assert not missing, f"pages the home page does not link to: {missing}"
 
@@ -207,12 +208,16 @@ def test_every_guide_is_a_page_with_its_code_and_output(site, guide):
     assert not missing, f"{guide.name}: code or output not on its page: {missing[:3]}"
 
 
-def test_build_notes_is_a_page(site):
-    title, sections = markdown_headings(ROOT / "BUILD_NOTES.md")
-    page = Page(site / "build_notes.html")
+@pytest.mark.parametrize("design", DESIGN, ids=[d.stem for d in DESIGN])
+@pytest.mark.every_case  # one build serves all
+def test_every_design_page_is_a_page_with_its_sections(site, design):
+    title, sections = markdown_headings(design)
+    html = site / "design" / f"{design.stem}.html"
+    assert html.exists(), f"docs/design/{design.name} is not a page of the site"
+    page = Page(html)
     assert page.headings[0] == title
     missing = [heading for heading in sections if heading not in page.headings]
-    assert not missing, f"BUILD_NOTES sections not on its page: {missing}"
+    assert not missing, f"{design.name}: sections not on its page: {missing}"
 
 
 def test_internal_links_resolve(site):
