@@ -137,12 +137,11 @@ def _leaf_plan(uses) -> LeafPlan:
         return LeafPlan(Mode.MATERIALISED, tuple(uses), others[0].reason)
     if forced() == "materialised":
         return LeafPlan(Mode.MATERIALISED, tuple(uses), "materialised: `force_ghost_route`")
-    groups: dict = {}  # the uses of each set of single indices taken (`slice`s)
+    groups: dict = {}  # the uses of each part of the leaf (`slice`s, `split`s)
     for i, use in enumerate(uses):
         groups.setdefault(use.site.layout.pins, []).append(i)
     for a, b in itertools.combinations(groups, 2):
-        pins = dict(b)
-        if not any(d in pins and pins[d] != i for d, i in a):
+        if not _disjoint(a, b):
             why = "used through overlapping slices (no closed cross term)"
             return LeafPlan(Mode.MATERIALISED, tuple(uses), why)
     aligned = list(uses)
@@ -161,11 +160,20 @@ def _leaf_plan(uses) -> LeafPlan:
     return LeafPlan(Mode.GHOST, tuple(aligned), why, tuple(map(tuple, groups.values())), scales)
 
 
+def _disjoint(a, b) -> bool:
+    """Whether the parts `a` and `b` of a leaf (``((dimension, (start, stop, stride)), ...)``)
+    share no element: along some dimension both take, no index is in both."""
+    taken = dict(b)
+    return any(d in taken and not set(range(*part)) & set(range(*taken[d])) for d, part in a)
+
+
 def _ghost_reason(uses, groups, keys) -> str:
     kinds = sorted({use.site.kind.value for use in uses})
     why = f"ghost: {len(uses)} use(s), " + ", ".join(kinds)
     if any(len(m) > 1 for m in groups.values()):
         why += " with cross terms"
+    if len(groups) > 1:
+        why += f", {len(groups)} disjoint parts"
     traced = any(isinstance(key, tuple) for key in keys)
     if len(keys) > 1:
         numbers = ", ".join(f"{k:g}" for k in keys) if not traced else ""

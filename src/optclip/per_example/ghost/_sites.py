@@ -4,7 +4,7 @@ and how its use of the parameter is classified.
 A site is
 
 * `Kind.DENSE`: `dot_general` with one view reached through plain views (dtype conversions,
-  transposes, single indices, the scans' slices, scalings): dense layers and einsums;
+  transposes, slices and splits, the scans' slices, scalings): dense layers and einsums;
 * `Kind.EMBED`: `gather` of whole rows of a 2-D view, outside scans: an embedding lookup;
 * `Kind.CONV`: `conv_general_dilated` by one kernel view;
 * `Kind.FALLBACK`: anything else (the leaf's per-example gradient is materialised).
@@ -12,8 +12,9 @@ A site is
 A closed-form site's `Layout` names, in the leaf's dimensions, how its per-example gradient
 is ``sum_k x_k (outer) y_k`` per head: the heads, the dimensions of the factor built from the
 recorded operand (``x``) and of the factor built from the output gradient (``y``), and the
-single indices the use takes of the other dimensions. Uses of one leaf that share a layout
-(or its transpose) have closed cross terms.
+parts the use takes of the leaf's dimensions (single indices, or ranges: a part of a fused
+weight). Uses of one leaf that take the same parts and share a layout (or its transpose) have
+closed cross terms; uses of disjoint parts have none.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Layout(NamedTuple):
     # the operation's own heads (a `dot_general` batch dimension; a convolution's groups)
     inputs: tuple  # the leaf dimensions of the factor from the recorded operand
     outputs: tuple  # the leaf dimensions of the factor from the output gradient
-    pins: tuple  # ((leaf dimension, index), ...): the single indices the use takes
+    pins: tuple  # ((leaf dimension, (start, stop, stride)), ...): the parts the use takes
 
     def transposed(self) -> Layout:
         return Layout(self.heads, self.outputs, self.inputs, self.pins)
@@ -101,7 +102,7 @@ def dense(eqn, used) -> Classified:
     ndim = len(eqn.invars[pos].aval.shape)
     mapped = view.leaf_dims()
     if mapped is None:
-        return fallback(eqn, "of a reshaped, broadcast or sliced parameter")
+        return fallback(eqn, "of a reshaped or broadcast parameter")
     dims, levels, pins = mapped
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     contract = tuple(contract_l if pos == 0 else contract_r)
@@ -123,7 +124,7 @@ def conv(eqn, used) -> Classified:
         return fallback(eqn, "with `batch_group_count` (no closed form written)")
     mapped = view.leaf_dims()
     if mapped is None:
-        return fallback(eqn, "by a reshaped, broadcast or sliced kernel")
+        return fallback(eqn, "by a reshaped or broadcast kernel")
     dims, levels, pins = mapped
     rhs = eqn.params["dimension_numbers"].rhs_spec
     heads = (*(d for d in levels if d is not None), ("groups", eqn.params["feature_group_count"]))

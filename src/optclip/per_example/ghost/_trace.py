@@ -73,6 +73,10 @@ def analyse(jaxpr, views: dict, live_out, known=None, walk=None):
         if name in _views.IDENTITIES:
             views.update((eqn.outvars[pos], view) for pos, view in used)
             continue
+        parts = _views.parts(eqn, used, known)
+        if parts is not None:
+            views.update((v, used[0][1].part(p)) for v, p in zip(eqn.outvars, parts))
+            continue
         single = len(eqn.invars) == 1 and _jaxprs.is_float(eqn.outvars[0])
         if name in _views.VIEW_PRIMITIVES and single:
             views[eqn.outvars[0]] = used[0][1].then(eqn)

@@ -24,6 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.extend import core as jcore
 
 from optclip.per_example.ghost import _jaxprs
@@ -78,6 +79,11 @@ class View:
 
     def then(self, eqn) -> View:
         return View(self.leaf, self.shape, self.chain + ((eqn.primitive, dict(eqn.params)),))
+
+    def part(self, params: dict) -> View:
+        """The view after a `slice` with `params` (a `split`'s part, a `dynamic_slice` at
+        indices known while tracing: `parts`)."""
+        return View(self.leaf, self.shape, self.chain + ((lax.slice_p, params),))
 
     def times(self, eqn, number) -> View:
         """The view after `eqn`, a `scaling` of it by `number` (None for a negation)."""
@@ -153,13 +159,14 @@ class View:
 
     def leaf_dims(self):
         """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
-        and slices of single indices, squeezed): ``(dims, levels, pins)``, the leaf dimension of
-        each view dimension, for each enclosing scan the leaf dimension it slices (None for a
-        constant), and ``((leaf dimension, index), ...)`` for the single indices taken. None
-        for any other chain (a reshape, a broadcast, a slice of a range)."""
+        slices and squeezes): ``(dims, levels, pins)``, the leaf dimension of each view
+        dimension, for each enclosing scan the leaf dimension it slices (None for a constant),
+        and ``((leaf dimension, (start, stop, stride)), ...)`` for the parts of the leaf's
+        dimensions the view takes (a single index, squeezed or not, or a range: a part split off
+        a fused weight). None for any other chain (a reshape, a broadcast)."""
         dims, shape = list(range(len(self.shape))), list(self.shape)
         levels: list[int | None] = []
-        pins: dict[int, int] = {}
+        pins: dict[int, tuple] = {}
         for primitive, params in self.chain:
             if primitive == SLICED:
                 levels.append(dims.pop(0))
@@ -176,14 +183,15 @@ class View:
                 for d, (lo, hi, st) in enumerate(
                     zip(params["start_indices"], params["limit_indices"], strides, strict=True)
                 ):
-                    if hi - lo == 1 and shape[d] > 1:
-                        pins[dims[d]] = lo
-                        shape[d] = 1
-                    elif (lo, hi, st) != (0, shape[d], 1):
+                    if (lo, hi, st) == (0, shape[d], 1):
+                        continue
+                    if dims[d] in pins:  # (a part of a part: not written)
                         return None
+                    pins[dims[d]] = (lo, hi, st)
+                    shape[d] = len(range(lo, hi, st))
             elif primitive.name == "squeeze":
                 for d in params["dimensions"]:
-                    pins.setdefault(dims[d], 0)
+                    pins.setdefault(dims[d], (0, 1, 1))
                 dims = [x for d, x in enumerate(dims) if d not in params["dimensions"]]
                 shape = [x for d, x in enumerate(shape) if d not in params["dimensions"]]
             elif primitive.name not in PLAIN_PRIMITIVES:
@@ -215,6 +223,41 @@ def scaling(eqn, used, known):
     if not math.isfinite(number) or (name == "div" and (pos != 0 or number == 0)):
         return False  # (a site: JAX's own infinities and NaNs, materialised)
     return value
+
+
+def parts(eqn, used, known) -> list[dict] | None:
+    """The `slice` parameters of each output of `eqn` where it takes parts of its one view at
+    indices known while tracing: a `split` (``jnp.split`` of a fused gate or QKV weight), or a
+    `dynamic_slice` whose start indices are written in the loss or computed from such numbers
+    (KerasHub's positions, ``lax.dynamic_slice(pos, (0, 0), (T, d))``: clamped as
+    `dynamic_slice` clamps them). None for any other equation."""
+    name = eqn.primitive.name
+    if len(used) != 1 or used[0][0] != 0 or not _jaxprs.is_float(eqn.outvars[0]):
+        return None
+    shape = tuple(eqn.invars[0].aval.shape)
+    if name == "split":
+        axis, sizes = eqn.params["axis"], eqn.params["sizes"]
+        out = []
+        for start, size in zip(np.cumsum((0, *sizes))[:-1], sizes, strict=True):
+            starts = tuple(int(start) if d == axis else 0 for d in range(len(shape)))
+            out.append(
+                _slice(starts, tuple(int(size) if d == axis else n for d, n in enumerate(shape)))
+            )
+        return out
+    if name != "dynamic_slice":
+        return None
+    values = [constant(v, known) for v in eqn.invars[1:]]
+    if any(v is None or traced(v) or np.shape(v) for v in values):
+        return None
+    sizes = tuple(eqn.params["slice_sizes"])
+    clamped = (min(max(int(v), 0), n - k) for v, n, k in zip(values, shape, sizes, strict=True))
+    return [_slice(tuple(clamped), sizes)]
+
+
+def _slice(starts: tuple, sizes: tuple) -> dict:
+    """The parameters of the `slice` of `sizes` at `starts`."""
+    limits = tuple(a + k for a, k in zip(starts, sizes, strict=True))
+    return {"start_indices": starts, "limit_indices": limits, "strides": None}
 
 
 def constant(var, known):
