@@ -1163,6 +1163,13 @@ LOOKUPS = {
     )(ids),
     "clip": lambda w, ids: jnp.take(w, ids, axis=0, mode="clip"),
     "columns": lambda w, ids: jnp.moveaxis(w.T[:, ids], 0, -1),  # (the features first)
+    # penzai's named-axis lookup: a scalar-id lookup vmapped over the table's feature axis (a
+    # gather on the transposed table, its row dimension kept as size 1, `mode=CLIP`)
+    "named axis": lambda w, ids: jax.vmap(
+        jax.vmap(jax.vmap(lambda col, i: col[i], in_axes=(None, 0)), in_axes=(None, 0)),
+        in_axes=(1, None),
+        out_axes=-1,
+    )(w, ids),
 }
 
 

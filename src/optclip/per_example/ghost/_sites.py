@@ -156,15 +156,19 @@ def lookup(eqn, pos: int) -> Lookup | None:
         return None
     collapsed = tuple(numbers.collapsed_slice_dims)
     offsets = tuple(numbers.offset_dims)  # (the output's dimensions of the operand's kept ones)
+    sizes = tuple(eqn.params["slice_sizes"])
     if len(collapsed) == 1:
         row = collapsed[0]
-    elif not collapsed and tuple(eqn.params["slice_sizes"])[0] == 1:
-        row = 0  # the row's slice dimension kept (size 1): the first of the offsets
+    elif not collapsed and 1 in sizes:
+        # The row's slice dimension kept (size 1, squeezed afterwards): ``vmap(lambda i:
+        # table[i])`` keeps the first; penzai's named-axis lookup, on the transposed table, the
+        # second.
+        row = sizes.index(1)
     else:
         return None
     full = tuple(1 if d == row else shape[d] for d in range(2))
     if (
-        tuple(eqn.params["slice_sizes"]) != full
+        sizes != full
         or row not in starts
         or not set(starts) <= {0, 1}
         or indices[-1] != len(starts)
@@ -172,7 +176,8 @@ def lookup(eqn, pos: int) -> Lookup | None:
     ):
         return None
     column = starts.index(1 - row) if 1 - row in starts else None
-    return Lookup(row, starts.index(row), column, offsets[-1])
+    features = offsets[-1] if collapsed else offsets[1 - row]  # (offsets: in operand order)
+    return Lookup(row, starts.index(row), column, features)
 
 
 def embed(eqn, used) -> Classified:
