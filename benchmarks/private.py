@@ -187,18 +187,25 @@ def markdown(rows) -> str:
     keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (k[0] == "mlp", k[1]))
     for model, batch in keys:
         got = {r["method"]: r for r in rows if (r["model"], r["batch"]) == (model, batch)}
-        cells = []
-        for method, with_time in ((GHOST, True), (JAX_PRIVACY, True), (VMAP, False)):
-            row = got.get(method)
-            memory = ratio(row["peak_ratio"]) if row else "-"
-            if row and "microbatch" in row["note"]:
-                memory += f" (`{row['note'].split(';')[0]}`)"
-            cells.append(memory)
-            if with_time:
-                cells.append(ratio(row["time_ratio"]) if row and "time_ratio" in row else "-")
         name = "MLP" if model == "mlp" else model
-        lines.append(f"| {name}, {batch} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name}, {batch} | " + " | ".join(cells(got)) + " |")
     return "\n".join(lines)
+
+
+def cells(got: dict) -> list[str]:
+    """`markdown`'s cells of one model and batch (``got``: its rows by method): ghost's memory
+    and time, jax_privacy's memory (with its microbatch) and time, the materialising clip's
+    memory, as ratios to the non-private step; ``-`` for a method not run."""
+    out = []
+    for method, with_time in ((GHOST, True), (JAX_PRIVACY, True), (VMAP, False)):
+        row = got.get(method)
+        memory = ratio(row["peak_ratio"]) if row else "-"
+        if row and "microbatch" in row["note"]:
+            memory += f" (`{row['note'].split(';')[0]}`)"
+        out.append(memory)
+        if with_time:
+            out.append(ratio(row["time_ratio"]) if row and "time_ratio" in row else "-")
+    return out
 
 
 def plot(rows, path) -> None:
@@ -272,20 +279,17 @@ def where() -> str:
     return device.device_kind
 
 
-def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny models, two batch sizes")
+def add_arguments(parser, models: list[str], *, quick: str, only: str) -> None:
+    """The options this script shares with the scripts that measure other models as it does
+    (``recurrent.py``): ``--quick``, ``--pairs``, ``--budget-gib``, ``--run-limit-gib``,
+    ``--only`` (one of `models`), ``--batches``, ``--methods`` and ``--json``."""
+    parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument(
         "--pairs", type=_timing.count, default=None, help="timing rounds (default 5)"
     )
     parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
     parser.add_argument("--run-limit-gib", type=_timing.gib, default=12.0)
-    parser.add_argument(
-        "--only",
-        choices=["transformer", "mlp", "convnet"],
-        default=None,
-        help="one model (the convnet runs only when named here)",
-    )
+    parser.add_argument("--only", choices=models, default=None, help=only)
     parser.add_argument(
         "--batches", type=_timing.count, nargs="+", default=None, help="batch sizes"
     )
@@ -297,6 +301,16 @@ def main(argv=None) -> list[dict]:
         help="the private methods run next to the non-private step (default: all)",
     )
     parser.add_argument("--json", type=pathlib.Path, default=None)
+
+
+def main(argv=None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(
+        parser,
+        ["transformer", "mlp", "convnet"],
+        quick="tiny models, two batch sizes",
+        only="one model (the convnet runs only when named here)",
+    )
     parser.add_argument("--replot", type=pathlib.Path, default=None, help="plot a --json file")
     parser.add_argument(
         "--markdown", type=pathlib.Path, default=None, help="print a --json file's guide table"

@@ -105,8 +105,8 @@ def run_private(tmp_path, *args, script="private.py"):
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads(out.read_text())
-    if script not in ("private.py", "compile.py"):  # (the profilers write their rows alone)
-        return data
+    if script not in ("private.py", "compile.py", "recurrent.py"):
+        return data  # (the profilers write their rows alone)
     # A run as benchmarks/results/ keeps it: the command that made it and the machine.
     assert data["command"].startswith("python ") and "--json" in data["command"], data["command"]
     assert "jax" in data["machine"], data["machine"]
@@ -176,6 +176,30 @@ def test_private_benchmark_runs_the_methods_and_batches_asked_for(tmp_path):
         ("mlp", 4, "jax.grad (non-private)"),
         ("mlp", 4, "optclip.clipped_grad"),
     }
+
+
+@pytest.mark.slow
+def test_the_recurrent_benchmark_measures_the_ghost_step_beside_the_non_private_one(tmp_path):
+    """benchmarks/recurrent.py --quick --only eqx-gru --methods ghost: the Equinox GRU
+    classifier's non-private step (every ratio 1.0) and ghost step at the quick batch, each
+    with its memory and time as ratios, and what `ghost_report` says `clipped_grad`
+    materialises (the cell's two biases, 3 x 128 and 128, and the head's 10: structural, no
+    timing); `--markdown` prints the saved run's table."""
+    args = ("--quick", "--only", "eqx-gru", "--methods", "ghost")
+    rows = run_private(tmp_path, *args, script="recurrent.py")
+    by = {(r["model"], r["batch"], r["method"]): r for r in rows}
+    plain, ghost = (
+        ("eqx-gru", 16, "jax.grad (non-private)"),
+        ("eqx-gru", 16, "optclip.clipped_grad"),
+    )
+    assert set(by) == {plain, ghost}, rows
+    assert by[plain]["peak_ratio"] == by[plain]["time_ratio"] == 1.0, by[plain]
+    assert by[ghost]["peak_ratio"] > 0 and by[ghost]["time_ratio"] > 0, by[ghost]
+    for r in rows:
+        assert r["materialised"] == 3 and r["materialised_params"] == 3 * 128 + 128 + 10, r
+        assert r["first_materialised"].startswith(".cell.bias: elementwise `add`"), r
+    table = load("recurrent.py").markdown(rows)
+    assert "| eqx-gru, 16 | " in table and "| 3 (522 params) | .cell.bias: " in table, table
 
 
 @pytest.mark.slow

@@ -1,0 +1,329 @@
+"""Private training's cost on recurrent models and a GroupNorm convnet.
+
+    python benchmarks/recurrent.py [--quick] [--json out.json]
+    python benchmarks/recurrent.py --only eqx-gru --batches 64 --methods ghost
+    python benchmarks/recurrent.py --markdown out.json  (a saved run's table)
+
+``benchmarks/private.py``'s measurement (its ``measure``: XLA's compiled memory analysis of
+each jitted step, and its time in rounds interleaved with the non-private ``jax.grad`` step;
+every figure a ratio to the non-private step; ``optclip.clipped_grad``,
+``jax_privacy.clipped_grad`` and ``vmap(grad)`` + ``per_example_clip`` side by side in one
+process) on the models users write with Equinox, Flax and plain JAX, with random weights
+(hidden 128, T=32; batches 32, 64 and 128):
+
+* ``eqx-gru``: an ``eqx.nn.GRUCell`` (32 input features, hidden 128) under ``lax.scan``, its
+  last state into a linear head to 10 classes; cross-entropy.
+* ``eqx-lstm-lm``: an ``eqx.nn.Embedding`` (vocabulary 256, width 64), an ``eqx.nn.LSTMCell``
+  (64 -> 128) under ``lax.scan`` and a linear head to the vocabulary; next-token
+  cross-entropy.
+* ``flax-lstm``: Flax Linen's ``nn.RNN(nn.LSTMCell(128))`` (32 input features, its gates a
+  ``Dense`` each), its last output into a ``Dense`` head to 10 classes.
+* ``jax-lstm``: ``eqx-lstm-lm`` in plain JAX, its LSTM written by hand with one fused gate
+  weight (and bias) split into the 4 gates' with ``jnp.split`` at every step, as dm-haiku's
+  ``hk.GRU`` splits its weights.
+* ``eqx-convnet``: ``eqx.nn.Conv2d`` 3x3 stem + ``eqx.nn.GroupNorm`` (8 groups), 2 residual
+  blocks of a depthwise ``Conv2d(groups=channels)`` 3x3, a ``GroupNorm`` and a pointwise 1x1
+  ``Conv2d``, mean-pooled into a linear head to 10; 32x32x3 images, 32 channels.
+
+Each loss is called per example with a leading batch axis of 1 (as jax_privacy and
+``clipped_grad`` call it; the Equinox models ``vmap`` over it) and returns the batch's mean.
+Beside the figures, ``optclip.ghost_report``'s leaves that ``clipped_grad`` materialises
+(their per-example gradients formed): how many, their parameters, and the first one's reason.
+``--quick``: batch 16 and T=8 (a smoke test).
+"""
+
+import dataclasses
+import math
+import pathlib
+import platform
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _private_models  # noqa: E402
+from private import add_arguments, cells, load_rows, measure, save_run, table, where  # noqa: E402
+
+MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "eqx-convnet"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    seq: int = 32
+    features: int = 32  # (the classifiers' inputs)
+    hidden: int = 128
+    classes: int = 10
+    vocab: int = 256  # (the language models')
+    width: int = 64  # (their embedding's)
+    size: int = 32  # (the convnet's images: size x size x 3)
+    channels: int = 32
+    blocks: int = 2
+    groups: int = 8  # (GroupNorm's)
+
+
+def cross_entropy(logits, labels):
+    """Mean over all positions of ``-log softmax(logits)[label]``."""
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[..., None], axis=-1))
+
+
+def features(shape: Shape, batch: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, shape.seq, shape.features))
+    labels = rng.integers(0, shape.classes, batch)
+    return jnp.asarray(x, jnp.float32), jnp.asarray(labels, jnp.int32)
+
+
+def tokens(shape: Shape, batch: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.integers(0, shape.vocab, (batch, shape.seq + 1)), jnp.int32)
+
+
+def images(shape: Shape, batch: int, seed: int = 1):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 3, shape.size, shape.size))  # (Equinox's CHW)
+    labels = rng.integers(0, shape.classes, batch)
+    return jnp.asarray(x, jnp.float32), jnp.asarray(labels, jnp.int32)
+
+
+def equinox_loss(model, split_tokens: bool = False):
+    """``(loss, params)``: `model` (one example in, logits out) split with ``eqx.partition``
+    into its arrays and the rest, combined back in the loss and ``vmap``-ed over the batch;
+    the batch ``(inputs, labels)``, or with `split_tokens` a batch of token ids whose next
+    ones are the labels."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+
+    def loss(p, batch):
+        inputs, labels = (batch[:, :-1], batch[:, 1:]) if split_tokens else batch
+        return cross_entropy(jax.vmap(eqx.combine(p, static))(inputs), labels)
+
+    return loss, params
+
+
+class GRUClassifier(eqx.Module):
+    cell: eqx.nn.GRUCell
+    head: eqx.nn.Linear
+
+    def __init__(self, shape: Shape, key):
+        k1, k2 = jax.random.split(key)
+        self.cell = eqx.nn.GRUCell(shape.features, shape.hidden, key=k1)
+        self.head = eqx.nn.Linear(shape.hidden, shape.classes, key=k2)
+
+    def __call__(self, xs):  # (T, features) -> (classes,)
+        h0 = jnp.zeros(self.cell.hidden_size)
+        h, _ = lax.scan(lambda h, x: (self.cell(x, h), None), h0, xs)
+        return self.head(h)
+
+
+class LSTMLanguageModel(eqx.Module):
+    embed: eqx.nn.Embedding
+    cell: eqx.nn.LSTMCell
+    head: eqx.nn.Linear
+
+    def __init__(self, shape: Shape, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.embed = eqx.nn.Embedding(shape.vocab, shape.width, key=k1)
+        self.cell = eqx.nn.LSTMCell(shape.width, shape.hidden, key=k2)
+        self.head = eqx.nn.Linear(shape.hidden, shape.vocab, key=k3)
+
+    def __call__(self, ids):  # (T,) -> (T, vocab)
+        def step(state, x):
+            state = self.cell(x, state)
+            return state, state[0]
+
+        zeros = jnp.zeros(self.cell.hidden_size)
+        _, hs = lax.scan(step, (zeros, zeros), jax.vmap(self.embed)(ids))
+        return jax.vmap(self.head)(hs)
+
+
+class GroupNormConvNet(eqx.Module):
+    stem: eqx.nn.Conv2d
+    stem_norm: eqx.nn.GroupNorm
+    blocks: list
+    head: eqx.nn.Linear
+
+    def __init__(self, shape: Shape, key):
+        keys = jax.random.split(key, 2 + 2 * shape.blocks)
+        c, g = shape.channels, shape.groups
+        self.stem = eqx.nn.Conv2d(3, c, 3, padding=1, key=keys[0])
+        self.stem_norm = eqx.nn.GroupNorm(g, c)
+        self.blocks = [
+            (
+                eqx.nn.Conv2d(c, c, 3, padding=1, groups=c, key=keys[2 + 2 * i]),  # depthwise
+                eqx.nn.GroupNorm(g, c),
+                eqx.nn.Conv2d(c, c, 1, key=keys[3 + 2 * i]),  # pointwise
+            )
+            for i in range(shape.blocks)
+        ]
+        self.head = eqx.nn.Linear(c, shape.classes, key=keys[1])
+
+    def __call__(self, x):  # (3, H, W) -> (classes,)
+        h = jax.nn.relu(self.stem_norm(self.stem(x)))
+        for depthwise, norm, pointwise in self.blocks:
+            h = h + pointwise(jax.nn.relu(norm(depthwise(h))))
+        return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+def flax_lstm(shape: Shape, key):
+    """``(loss, params)``: Linen's ``nn.RNN(nn.LSTMCell)`` classifier, applied to the batch
+    as it is (Linen's layers take a batch axis)."""
+    import flax.linen as nn
+
+    class Classifier(nn.Module):
+        @nn.compact
+        def __call__(self, x):  # (batch, T, features) -> (batch, classes)
+            h = nn.RNN(nn.LSTMCell(shape.hidden))(x)
+            return nn.Dense(shape.classes)(h[:, -1])
+
+    model = Classifier()
+    params = model.init(key, jnp.zeros((1, shape.seq, shape.features)))["params"]
+
+    def loss(p, batch):
+        x, labels = batch
+        return cross_entropy(model.apply({"params": p}, x), labels)
+
+    return loss, params
+
+
+def jax_lstm(shape: Shape, seed: int = 0):
+    """``(loss, params)``: an LSTM language model in plain JAX, its gates' weights one fused
+    ``(width + hidden, 4 hidden)`` matrix (and one bias), split into the four gates' with
+    ``jnp.split`` inside the scanned step."""
+    rng = np.random.default_rng(seed)
+    e, h = shape.width, shape.hidden
+
+    def normal(*dims, fan_in):
+        return jnp.asarray(rng.standard_normal(dims) / np.sqrt(fan_in), jnp.float32)
+
+    params = {
+        "embed": normal(shape.vocab, e, fan_in=1),
+        "lstm": {"kernel": normal(e + h, 4 * h, fan_in=e + h), "bias": jnp.zeros(4 * h)},
+        "head": {"kernel": normal(h, shape.vocab, fan_in=h), "bias": jnp.zeros(shape.vocab)},
+    }
+
+    def loss(p, ids):  # ids: (batch, T + 1)
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        xs = jnp.swapaxes(p["embed"][inputs], 0, 1)  # (T, batch, width)
+
+        def step(state, x):
+            hidden, cell = state
+            xh = jnp.concatenate([x, hidden], axis=-1)
+            w = jnp.split(p["lstm"]["kernel"], 4, axis=1)
+            b = jnp.split(p["lstm"]["bias"], 4)
+            i, f, g, o = (xh @ w_k + b_k for w_k, b_k in zip(w, b))
+            cell = jax.nn.sigmoid(f) * cell + jax.nn.sigmoid(i) * jnp.tanh(g)
+            hidden = jax.nn.sigmoid(o) * jnp.tanh(cell)
+            return (hidden, cell), hidden
+
+        zeros = jnp.zeros((ids.shape[0], h))
+        _, hs = lax.scan(step, (zeros, zeros), xs)
+        logits = jnp.swapaxes(hs, 0, 1) @ p["head"]["kernel"] + p["head"]["bias"]
+        return cross_entropy(logits, labels)
+
+    return loss, params
+
+
+def setups(shape: Shape) -> dict:
+    """``name -> (loss, params, batch(size))``."""
+    key = jax.random.key(0)
+    return {
+        "eqx-gru": (
+            *equinox_loss(GRUClassifier(shape, key)),
+            lambda b: features(shape, b),
+        ),
+        "eqx-lstm-lm": (
+            *equinox_loss(LSTMLanguageModel(shape, key), split_tokens=True),
+            lambda b: tokens(shape, b),
+        ),
+        "flax-lstm": (*flax_lstm(shape, key), lambda b: features(shape, b)),
+        "jax-lstm": (*jax_lstm(shape), lambda b: tokens(shape, b)),
+        "eqx-convnet": (*equinox_loss(GroupNormConvNet(shape, key)), lambda b: images(shape, b)),
+    }
+
+
+def materialised(loss, params, batch) -> dict:
+    """What ``optclip.ghost_report`` says ``clipped_grad`` materialises: how many leaves,
+    their parameters, and the first one's path and reason."""
+    import optclip
+
+    report = optclip.ghost_report(loss, params, batch)
+    sizes = [int(np.prod(x.shape)) for x in jax.tree.leaves(params)]
+    found = [
+        (path, r, n)
+        for (path, r), n in zip(report.items(), sizes, strict=True)
+        if r.mode == "materialised"
+    ]
+    first = f"{found[0][0]}: {found[0][1].reason}" if found else ""
+    return {
+        "materialised": len(found),
+        "materialised_params": sum(n for *_, n in found),
+        "first_materialised": first,
+    }
+
+
+def markdown(rows) -> str:
+    """The run's table: per model and batch, `private.markdown`'s ratios to the non-private
+    step, then the leaves ``clipped_grad`` materialises (count, parameters) and the first
+    one's reason."""
+    lines = [
+        "| model, batch | `clipped_grad` memory | time | `jax_privacy.clipped_grad` memory "
+        "| time | `vmap(grad)` + clip memory | materialised leaves | first reason |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = {name: k for k, name in enumerate(MODELS)}
+    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (order[k[0]], k[1]))
+    for model, batch in keys:
+        got = {r["method"]: r for r in rows if (r["model"], r["batch"]) == (model, batch)}
+        any_row = next(iter(got.values()))
+        count = f"{any_row['materialised']} ({any_row['materialised_params']:,} params)"
+        reason = any_row["first_materialised"].replace("|", "\\|") or "-"
+        lines.append(f"| {model}, {batch} | " + " | ".join([*cells(got), count, reason]) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser, MODELS, quick="batch 16 and T=8 (a smoke test)", only="one model")
+    parser.add_argument(
+        "--markdown", type=pathlib.Path, default=None, help="print a --json file's table"
+    )
+    args = parser.parse_args(argv)
+    args.pairs = args.pairs or (2 if args.quick else 5)
+    if args.markdown:
+        rows = load_rows(args.markdown)
+        print(markdown(rows))
+        return rows
+    shape, batches = (Shape(seq=8), (16,)) if args.quick else (Shape(), (32, 64, 128))
+    batches = tuple(args.batches) if args.batches else batches
+    print(
+        f"recurrent private training benchmark: jax {jax.__version__}, {where()} "
+        f"({platform.processor() or platform.machine()}), {'quick' if args.quick else 'full'}",
+        flush=True,
+    )
+    rows = []
+    for name, (loss, params, make_batch) in setups(shape).items():
+        if args.only and name != args.only:
+            continue
+        print(f"{name}: {_private_models.parameter_count(params):,} parameters", flush=True)
+        for b in batches:
+            batch = make_batch(b)
+            report = materialised(loss, params, batch)
+            got = measure(name, loss, params, batch, b, args)
+            rows += [{**row, **report} for row in got]
+    print(table(rows))
+    print()
+    print(markdown(rows))
+    if args.json:
+        save_run(args.json, rows, f"{where()}, jax {jax.__version__}")
+    assert all(math.isfinite(r["peak_bytes"]) for r in rows)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
