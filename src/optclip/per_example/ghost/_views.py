@@ -185,10 +185,9 @@ class View:
                 ):
                     if (lo, hi, st) == (0, shape[d], 1):
                         continue
-                    if dims[d] in pins:  # (a part of a part: not written)
-                        return None
-                    pins[dims[d]] = (lo, hi, st)
-                    shape[d] = len(range(lo, hi, st))
+                    taken = range(*pins.get(dims[d], (0, shape[d], 1)))[lo:hi:st]
+                    pins[dims[d]] = (taken.start, taken.stop, taken.step)  # (of a part too)
+                    shape[d] = len(taken)
             elif primitive.name == "squeeze":
                 for d in params["dimensions"]:
                     pins.setdefault(dims[d], (0, 1, 1))
