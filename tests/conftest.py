@@ -10,19 +10,42 @@ this one.
 """
 
 import os
+import shutil
+import tempfile
 
 import jax
 import pytest
 from _workers import launch
 
+_CACHE = "JAX_COMPILATION_CACHE_DIR"
+_OWN_CACHE: list[str] = []  # (the cache this run made, removed when it ends)
+
+
+def _share_compiles_within_the_run():
+    """One persistent compilation cache for the whole run, unless one is set already (CI sets one
+    for all its stages): the test processes of ``-n 2``, the 8-device workers and the scripts the
+    tests start compile many of the same programs, and each then reads what the first wrote. The
+    cache is a fresh folder, removed when the run ends, so no run sees another's programs.
+    (pytest-xdist's processes and every subprocess inherit the environment; this process imported
+    JAX already, so it is told through `jax.config`.)"""
+    if os.environ.get("PYTEST_XDIST_WORKER") or os.environ.get(_CACHE):
+        return
+    folder = tempfile.mkdtemp(prefix="optclip-compiles-")
+    _OWN_CACHE.append(folder)
+    os.environ[_CACHE] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
 
 def pytest_configure(config):
-    """On a GPU or TPU the tests' matrix products are float32's, as on a CPU: JAX's default
+    """One compilation cache for the run (`_share_compiles_within_the_run`). On a GPU or TPU the tests' matrix products are float32's, as on a CPU: JAX's default
     precision there is TF32 or bfloat16, and the tests compare with float64 references at
     float32's tolerances. (A test of what a precision does sets it itself; a precision set in
     the environment, ``JAX_DEFAULT_MATMUL_PRECISION``, is kept.)"""
     if jax.config.jax_default_matmul_precision is None and jax.default_backend() != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
+    _share_compiles_within_the_run()
 
 
 @pytest.fixture(params=["eager", "jit"])
@@ -96,3 +119,8 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session, exitstatus):
     launch.stop_all()
+
+
+def pytest_unconfigure(config):
+    for folder in _OWN_CACHE:
+        shutil.rmtree(folder, ignore_errors=True)
