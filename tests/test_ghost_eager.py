@@ -217,14 +217,20 @@ def test_a_program_for_each_of_the_last_calls_is_kept(compiles, monkeypatch):
     assert names.count("jit(program)") == 1
 
 
-def test_under_disable_jit_and_inside_a_callers_trace_the_engine_runs_as_it_is():
+@pytest.mark.slow  # (every operation of the engine compiled on its own: about 300 programs)
+def test_under_disable_jit_the_engine_runs_operation_by_operation():
     """Under `jax.disable_jit` the engine's operations run one by one (its `lax.cond`s choose
-    in Python); a loss that closes over a number traced by the caller (its arguments concrete
-    constants) runs in the caller's trace. Both the float64 reference's."""
+    in Python), with the float64 reference's results."""
     loss, params, x = gm.mlp(np.random.default_rng(83))
     g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
     with jax.disable_jit():
         check(g(params, x), loss, params, x, 0.5)
+
+
+def test_inside_a_callers_trace_the_engine_runs_in_that_trace():
+    """A loss that closes over a number traced by the caller (its arguments concrete
+    constants) runs in the caller's trace, with the float64 reference's results."""
+    loss, params, x = gm.mlp(np.random.default_rng(83))
 
     def step(s):
         scaled = lambda p, x: loss(p, x) * s  # noqa: E731
