@@ -279,6 +279,15 @@ def where() -> str:
     return device.device_kind
 
 
+def announce(what: str, quick: bool) -> None:
+    """Prints the run's first line: what it measures, with which jax, on which machine."""
+    print(
+        f"{what}: jax {jax.__version__}, {where()} "
+        f"({platform.processor() or platform.machine()}), {'quick' if quick else 'full'}",
+        flush=True,
+    )
+
+
 def add_arguments(parser, models: list[str], *, quick: str, only: str) -> None:
     """The options this script shares with the scripts that measure other models as it does
     (``recurrent.py``): ``--quick``, ``--pairs``, ``--budget-gib``, ``--run-limit-gib``,
@@ -335,11 +344,7 @@ def main(argv=None) -> list[dict]:
         t_shape, m_shape, batches = models.TransformerShape(), models.MLPShape(), (16, 64, 256)
         c_shape = models.ConvShape()
     batches = tuple(args.batches) if args.batches else batches
-    print(
-        f"private training benchmark: jax {jax.__version__}, {where()} "
-        f"({platform.processor() or platform.machine()}), {'quick' if args.quick else 'full'}",
-        flush=True,
-    )
+    announce("private training benchmark", args.quick)
     rows = []
     # The MLP first: after the transformer's steps of gigabytes, glibc's malloc handed the
     # MLP's buffers of megabytes back to the system after each call (fresh pages at the next),

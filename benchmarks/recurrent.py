@@ -35,7 +35,6 @@ Beside the figures, ``optclip.ghost_report``'s leaves that ``clipped_grad`` mate
 import dataclasses
 import math
 import pathlib
-import platform
 import sys
 
 import equinox as eqx
@@ -46,7 +45,7 @@ from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models  # noqa: E402
-from private import add_arguments, cells, load_rows, measure, save_run, table, where  # noqa: E402
+from private import add_arguments, announce, cells, load_rows, measure, save_run, table, where  # noqa: E402
 
 MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "eqx-convnet"]
 
@@ -301,11 +300,7 @@ def main(argv=None) -> list[dict]:
         return rows
     shape, batches = (Shape(seq=8), (16,)) if args.quick else (Shape(), (32, 64, 128))
     batches = tuple(args.batches) if args.batches else batches
-    print(
-        f"recurrent private training benchmark: jax {jax.__version__}, {where()} "
-        f"({platform.processor() or platform.machine()}), {'quick' if args.quick else 'full'}",
-        flush=True,
-    )
+    announce("recurrent private training benchmark", args.quick)
     rows = []
     for name, (loss, params, make_batch) in setups(shape).items():
         if args.only and name != args.only:
