@@ -120,8 +120,14 @@ def unrolled(rng, dtype=np.float32, layers=2, d=4, t=3, batch=4):
 
 def reference(loss, params, batch, clip, padding=None, argnums=0):
     """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64), their norms and the
-    sum of the clipped gradients, as NumPy float64. (Jitted: one program, where an eager
-    vmap compiles one per operation.)"""
+    sum of the clipped gradients, as NumPy float64 (`per_example_grads`, `reference_from`)."""
+    return reference_from(per_example_grads(loss, params, batch, argnums), clip, padding)
+
+
+def per_example_grads(loss, params, batch, argnums=0):
+    """Float64 per-example gradients (`jax.vmap(jax.grad)` under x64) as NumPy: what
+    `reference_from` needs, computed once for a model's every check. (Jitted: one program,
+    where an eager vmap compiles one per operation.)"""
     with jax.enable_x64(True):
         p64 = jax.tree.map(lambda a: jnp.asarray(np.asarray(a, np.float64)), params)
         b64 = (
@@ -130,7 +136,16 @@ def reference(loss, params, batch, clip, padding=None, argnums=0):
             else jnp.asarray(batch)
         )
         grads = jax.jit(jax.vmap(jax.grad(loss, argnums), in_axes=(None, 0)))(p64, b64[:, None])
-        grads = jax.tree.map(np.asarray, grads)
+        return jax.tree.map(np.asarray, grads)
+
+
+def reference_from(grads, clip, padding=None, magnitude=1.0, keep=None):
+    """`reference`'s norms and clipped sums from `per_example_grads`'s float64 gradients: of
+    the loss times `magnitude` (each gradient times it, in float64), of the examples `keep`
+    (indices; all if None) only."""
+    if keep is not None:
+        grads = jax.tree.map(lambda g: g[np.asarray(keep)], grads)
+    grads = jax.tree.map(lambda g: g * np.float64(magnitude), grads)
     leaves, treedef = jax.tree.flatten(grads)
     norms = np.sqrt(sum(np.sum(g.reshape(g.shape[0], -1) ** 2, axis=1) for g in leaves))
     scales = np.where(norms > clip, clip / np.where(norms > 0, norms, 1), 1.0)
@@ -292,31 +307,44 @@ def assert_as_vmap_to_bfloat16_rounding(loss, params, batch, clip, mode="jit", n
     terms not to cancel: the clipped sums weight a bfloat16 side by the factor, rounded to
     bfloat16 (`_sums._times`), where vmap rounds the terms' sum, so where the terms cancel
     the two differ by ``u`` of the terms."""
-    results = {}
+    assert_as_vmap_to_bfloat16_rounding_on_each(loss, params, [batch], clip, mode, noise)
+
+
+def assert_as_vmap_to_bfloat16_rounding_on_each(loss, params, batches, clip, mode="jit", noise=()):
+    """`assert_as_vmap_to_bfloat16_rounding` on each of `batches` (of one shape), with one
+    program for each method for them all."""
+    steps = {}
     for method in ("auto", "vmap"):
         g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
-        results[method] = (jax.jit(g) if mode == "jit" else g)(params, batch)
-    (sums, aux), (ref_sums, ref_aux) = results["auto"], results["vmap"]
-    norms, ref_norms = (np.asarray(a.grad_norms, np.float64) for a in (aux, ref_aux))
-    kept = np.isfinite(ref_norms)
-    np.testing.assert_array_equal(np.isfinite(norms), kept)
-    u = 2.0**-8
-    np.testing.assert_allclose(norms[kept], ref_norms[kept], rtol=u)
-    grads = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))(params, batch[:, None])
-    factors = np.minimum(1.0, clip / np.maximum(ref_norms[kept], 1e-300))
-    largest = max(np.max(np.abs(np.asarray(e, np.float64))) for e in jax.tree.leaves(ref_sums))
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(sums)]
-    assert set(noise) <= set(paths), (noise, paths)
-    report = optclip.ghost_report(loss, params, batch)
-    loose = {*noise, *(path for path in paths if len(report[path].operations) > 1)}
-    leaves = zip(paths, *map(jax.tree.leaves, (sums, ref_sums, grads)), strict=True)
-    for path, got, expected, g in leaves:
-        assert got.dtype == expected.dtype
-        got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
-        spread = np.tensordot(factors, np.abs(np.asarray(g, np.float64)[kept]), axes=(0, 0))
-        bound = 2 * u * (largest if path in loose else spread + np.abs(expected))
-        off = np.abs(got - expected) > bound
-        assert not np.any(off), f"{path}: {got[off]} against {expected[off]}, bound {bound[off]}"
+        steps[method] = jax.jit(g) if mode == "jit" else g
+    per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))
+    for batch in batches:
+        results = {method: step(params, batch) for method, step in steps.items()}
+        (sums, aux), (ref_sums, ref_aux) = results["auto"], results["vmap"]
+        norms, ref_norms = (np.asarray(a.grad_norms, np.float64) for a in (aux, ref_aux))
+        kept = np.isfinite(ref_norms)
+        np.testing.assert_array_equal(np.isfinite(norms), kept)
+        u = 2.0**-8
+        np.testing.assert_allclose(norms[kept], ref_norms[kept], rtol=u)
+        grads = per_example(params, batch[:, None])
+        factors = np.minimum(1.0, clip / np.maximum(ref_norms[kept], 1e-300))
+        largest = max(np.max(np.abs(np.asarray(e, np.float64))) for e in jax.tree.leaves(ref_sums))
+        paths = [
+            jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_leaves_with_path(sums)
+        ]
+        assert set(noise) <= set(paths), (noise, paths)
+        report = optclip.ghost_report(loss, params, batch)
+        loose = {*noise, *(path for path in paths if len(report[path].operations) > 1)}
+        leaves = zip(paths, *map(jax.tree.leaves, (sums, ref_sums, grads)), strict=True)
+        for path, got, expected, g in leaves:
+            assert got.dtype == expected.dtype
+            got, expected = np.asarray(got, np.float64), np.asarray(expected, np.float64)
+            spread = np.tensordot(factors, np.abs(np.asarray(g, np.float64)[kept]), axes=(0, 0))
+            bound = 2 * u * (largest if path in loose else spread + np.abs(expected))
+            off = np.abs(got - expected) > bound
+            assert not np.any(off), (
+                f"{path}: {got[off]} against {expected[off]}, bound {bound[off]}"
+            )
 
 
 def assert_tree_close(actual, expected, rtol=RTOL, whole=False):

@@ -70,6 +70,36 @@ def check_against_reference(
     return grads, aux
 
 
+@functools.cache
+def cached_model(name, seed):
+    """`MODELS[name]` drawn from `seed`, and its float64 per-example gradients
+    (`gm.per_example_grads`): built once for every test that checks it."""
+    loss, params, x = MODELS[name](np.random.default_rng(seed))
+    return loss, params, x, gm.per_example_grads(loss, params, x)
+
+
+def magnitude_step(loss, clip, mode="jit", **kwargs):
+    """``step(params, x, magnitude, **more)``: `clipped_grad`'s (`kwargs` its options) sums and
+    norms of the loss times `magnitude`, an argument (jitted: one program for ordinary
+    magnitudes and those whose squares overflow, and for every batch of one shape; `more`:
+    the step's keyword arguments, such as ``is_padding_example``)."""
+
+    def step(params, x, magnitude, **more):
+        scaled = lambda p, x, **more: loss(p, x, **more) * magnitude  # noqa: E731
+        g = optclip.clipped_grad(scaled, l2_clip_norm=clip, return_grad_norms=True, **kwargs)
+        return g(params, x, **more)
+
+    return run(step, mode)
+
+
+def check_against_grads(result, grads64, clip, **kwargs):
+    """A step's ``(sums, aux)`` against `gm.reference_from` (`kwargs`: its padding, magnitude,
+    examples kept), to `check_against_reference`'s tolerances."""
+    norms, sums = gm.reference_from(grads64, clip, **kwargs)
+    np.testing.assert_allclose(np.asarray(result[1].grad_norms), norms, rtol=RTOL)
+    assert_tree_close(result[0], sums)
+
+
 # The fast tier's models: dense, tied embeddings, the fallback, shared weights across scan
 # steps (nested), convolutions (plain; grouped, a kernel used twice, stacked under a scan).
 # Stacked blocks with sliced q/k/v run in the slow tier (Equinox's and Flax's transformers run
@@ -117,15 +147,16 @@ def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
     # gradients of that magnitude, then layer inputs of that magnitude. Beside a parameter the
     # loss does not use (its zero set the scale of the others' sum: every norm of 1e-24
     # flushed to 0).
-    loss, params, ids = gm.embedding(np.random.default_rng(2))
+    loss, embedding, ids = gm.embedding(np.random.default_rng(2))
     scaled = lambda p, i: loss(p, i) * magnitude  # noqa: E731
-    unused = {"unused": jnp.ones(3)}
-    for p in (params, {**params, **unused}):
-        check_against_reference(scaled, p, ids, 1.0)
-    _, params, x = gm.mlp(np.random.default_rng(2))
+    _, dense, x = gm.mlp(np.random.default_rng(2))
     linear = lambda p, x: jnp.sum(jnp.sin(x @ p["w1"] * (1 / magnitude)) @ p["w2"])  # noqa: E731
-    for p in (params, {**params, **unused}):
-        check_against_reference(linear, p, x * magnitude, 1.0)
+    unused = {"unused": jnp.ones(3)}
+    for f, params, batch in ((scaled, embedding, ids), (linear, dense, x * magnitude)):
+        grads64 = gm.per_example_grads(f, {**params, **unused}, batch)  # (one for both)
+        for p in (params, {**params, **unused}):
+            g = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
+            check_against_grads(jax.jit(g)(p, batch), {k: grads64[k] for k in p}, 1.0)
 
 
 def _zero_norm_models():
@@ -548,8 +579,13 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     loss, params, x = separable(np.random.default_rng(37), examples)
     report = optclip.ghost_report(loss, params, x)
     assert {r.mode for r in report.values()} == {"ghost"}, report
-    first = check_against_reference(loss, params, x, 1.0, mode=mode)
-    again = check_against_reference(loss, params, x, 1.0, mode=mode)
+    grads64 = gm.per_example_grads(loss, params, x)
+    first, again = (
+        run(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True), mode)(params, x)
+        for _ in range(2)  # (each traced anew)
+    )
+    check_against_grads(first, grads64, 1.0)
+    check_against_grads(again, grads64, 1.0)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
     assert sums and set(sums) == {4}, sums
 
@@ -565,16 +601,19 @@ def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, m
     monkeypatch.setattr(_norms, "LOOP_WORK", 0)
     loss, params, x = separable(np.random.default_rng(39), 4, size=4, features=8)
     x = x.at[2].set(0.0)
+    grads64 = gm.per_example_grads(loss, params, x)
+    step = magnitude_step(loss, 1.0, mode)  # (one program for the three batches)
     padding = np.array([False, True, False, False])
-    _, aux = check_against_reference(loss, params, x, 1.0, mode=mode, is_padding_example=padding)
-    assert aux.grad_norms[2] == 0.0, aux.grad_norms
-    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
-    check_against_reference(huge, params, x, 1.0, mode=mode)
-    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-    grads, aux = run(g, mode)(params, x.at[3, 0, 0, 0].set(np.nan))
+    result = step(params, x, np.float32(1), is_padding_example=padding)
+    check_against_grads(result, grads64, 1.0, padding=padding)
+    assert result[1].grad_norms[2] == 0.0, result[1].grad_norms
+    none = np.zeros(4, bool)
+    huge = step(params, x, np.float32(1e22), is_padding_example=none)
+    check_against_grads(huge, grads64, 1.0, magnitude=1e22)
+    grads, aux = step(params, x.at[3, 0, 0, 0].set(np.nan), np.float32(1), is_padding_example=none)
     norms = np.asarray(aux.grad_norms)
     assert np.isnan(norms[3]) and np.isfinite(norms[:3]).all(), norms
-    kept_norms, kept_sums = gm.reference(loss, params, x[:3], 1.0)
+    kept_norms, kept_sums = gm.reference_from(grads64, 1.0, keep=[0, 1, 2])
     np.testing.assert_allclose(norms[:3], kept_norms, rtol=RTOL)
     assert_tree_close(grads, kept_sums)
 
@@ -591,15 +630,15 @@ def test_a_kernels_sum_is_its_convolutions_vjp_on_every_platform(way, name, monk
     dropped non-finite example (the sums' other path, one example after another)."""
     if way == "gpu":
         gm.take_gpu_branches(monkeypatch)
-    loss, params, x = MODELS[name](np.random.default_rng(21))
-    check_against_reference(loss, params, x, 0.5)
-    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
-    check_against_reference(huge, params, x, 0.5)
-    bad = x.at[1].set(np.nan)
-    step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
-    grads, aux = jax.jit(step)(params, bad)
+    loss, params, x, grads64 = cached_model(name, 21)
+    step = magnitude_step(loss, 0.5)  # (one program for the three batches)
+    for magnitude in (1.0, 1e22):
+        check_against_grads(
+            step(params, x, np.float32(magnitude)), grads64, 0.5, magnitude=magnitude
+        )
+    grads, aux = step(params, x.at[1].set(np.nan), np.float32(1))
     assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
-    _, sums = gm.reference(loss, params, x[np.array([0, 2])], 0.5)
+    _, sums = gm.reference_from(grads64, 0.5, keep=[0, 2])
     assert_tree_close(grads, sums)
 
 
@@ -609,32 +648,33 @@ def test_every_forced_route_gives_the_same_numbers(name):
     (each leaf materialised, every ghost leaf by its Grams, or by its direct product) gives
     the chosen route's norms and sums to float32 rounding, at ordinary magnitudes and at
     magnitudes whose squares overflow; a step traced inside the context keeps its route."""
-    loss, params, x = MODELS[name](np.random.default_rng(12))
+    loss, params, x, grads64 = cached_model(name, 12)
     huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
     unforced = {k: r.mode for k, r in optclip.ghost_report(loss, params, x).items()}
     assert "ghost" in unforced.values(), unforced
-    for f in (loss, huge):
-        norms, sums = gm.reference(f, params, x, 1.0)  # (float64)
-        g = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
-        chosen = jax.jit(g)(params, x)
-        for route in ("materialised", "grams", "direct"):
-            with optclip.force_ghost_route(route):
-                g = optclip.clipped_grad(f, l2_clip_norm=1.0, return_grad_norms=True)
-                step = jax.jit(g)
-                report = {k: r.mode for k, r in optclip.ghost_report(f, params, x).items()}
-                forced = step(params, x)
-            if route == "materialised":  # (every used leaf; the unused stay unused)
-                want = {
-                    k: "unused" if m == "unused" else "materialised" for k, m in unforced.items()
-                }
-            else:  # (a route changes how a ghost leaf's norm is computed, not which go ghost)
-                want = unforced
-            assert report == want, (route, report)
-            again = step(params, x)  # (outside the context: the same program)
-            np.testing.assert_array_equal(again[1].grad_norms, forced[1].grad_norms)
-            np.testing.assert_allclose(forced[1].grad_norms, norms, rtol=RTOL)
-            assert_tree_close(forced[0], sums)
-            np.testing.assert_allclose(forced[1].grad_norms, chosen[1].grad_norms, rtol=2e-6)
+    magnitudes = [np.float32(1), np.float32(1e22)]  # (one program for both)
+    step = magnitude_step(loss, 1.0)
+    chosen = [step(params, x, m) for m in magnitudes]
+    for route in ("materialised", "grams", "direct"):
+        with optclip.force_ghost_route(route):
+            step = magnitude_step(loss, 1.0)
+            reports = [
+                {k: r.mode for k, r in optclip.ghost_report(f, params, x).items()}
+                for f in (loss, huge)
+            ]
+            forced = [step(params, x, m) for m in magnitudes]
+        if route == "materialised":  # (every used leaf; the unused stay unused)
+            want = {k: "unused" if m == "unused" else "materialised" for k, m in unforced.items()}
+        else:  # (a route changes how a ghost leaf's norm is computed, not which go ghost)
+            want = unforced
+        assert reports == [want, want], (route, reports)
+        for m, result, unforced_result in zip(magnitudes, forced, chosen, strict=True):
+            again = step(params, x, m)  # (outside the context: the same program)
+            np.testing.assert_array_equal(again[1].grad_norms, result[1].grad_norms)
+            check_against_grads(result, grads64, 1.0, magnitude=float(m))
+            np.testing.assert_allclose(
+                result[1].grad_norms, unforced_result[1].grad_norms, rtol=2e-6
+            )
     with pytest.raises(ValueError, match="route"):
         with optclip.force_ghost_route("careful"):
             pass
@@ -650,7 +690,7 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     # example dropped, at a magnitude whose squares overflow, and eager.
     from optclip.per_example.ghost import _norms
 
-    loss, params, x = MODELS[name](np.random.default_rng(13))
+    loss, params, x, grads64 = cached_model(name, 13)
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
     loops = str(jax.make_jaxpr(g)(params, x)).count("scan[")
     batched = jax.jit(g)(params, x)
@@ -658,17 +698,17 @@ def test_per_example_grams_agree_with_the_batched_ones(name, monkeypatch):
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)  # (traced anew)
     text = str(jax.make_jaxpr(g)(params, x))  # one more loop on a CPU (`lax.map`)
     assert text.count("scan[") > loops
-    looped = check_against_reference(loss, params, x, 1.0)
+    step = magnitude_step(loss, 1.0)  # (one program for every batch and magnitude)
+    looped = step(params, x, np.float32(1))
+    check_against_grads(looped, grads64, 1.0)
     np.testing.assert_allclose(looped[1].grad_norms, batched[1].grad_norms, rtol=1e-6)
     assert_tree_close(looped[0], jax.tree.map(np.asarray, batched[0]), rtol=1e-6)
-    huge = lambda p, x: loss(p, x) * 1e22  # noqa: E731
-    check_against_reference(huge, params, x, 1.0, mode="eager" if name == "mlp" else "jit")
+    huge_step = magnitude_step(loss, 1.0, "eager") if name == "mlp" else step
+    check_against_grads(huge_step(params, x, np.float32(1e22)), grads64, 1.0, magnitude=1e22)
     if name == "mlp":
-        bad = x.at[1, 0].set(np.nan)
-        grads, aux = jax.jit(g)(params, bad)
+        grads, aux = step(params, x.at[1, 0].set(np.nan), np.float32(1))
         assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
-        kept = np.delete(np.arange(x.shape[0]), 1)
-        _, sums = gm.reference(loss, params, x[kept], 1.0, None)
+        _, sums = gm.reference_from(grads64, 1.0, keep=np.delete(np.arange(x.shape[0]), 1))
         assert_tree_close(grads, sums)
 
 
@@ -858,9 +898,13 @@ def test_float16_sums_below_float16s_normal_numbers_are_rounded_once(way, monkey
     if way == "gpu":
         gm.take_gpu_branches(monkeypatch)
 
+    methods = lambda p, x: {  # noqa: E731 (jitted: one program for both)
+        m: optclip.clipped_grad(loss, l2_clip_norm=1e-4, method=m)(p, x) for m in ("auto", "vmap")
+    }
+    results = run(methods, "eager" if way == "eager" else "jit")(params, x)
+
     def errors(method):
-        g = optclip.clipped_grad(loss, l2_clip_norm=1e-4, method=method)
-        grads = run(g, "eager" if way == "eager" else "jit")(params, x)
+        grads = results[method]
         assert all(leaf.dtype == jnp.float16 for leaf in jax.tree.leaves(grads))
         return {
             k: np.max(np.abs(np.asarray(grads[k], np.float64) - sums[k])) / np.max(np.abs(sums[k]))
@@ -1128,21 +1172,19 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     x = jnp.asarray(rng.normal(size=(5, *x_shape[1:])), jnp.bfloat16)
     loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"].astype(x.dtype), x)).astype(jnp.float32))  # noqa: E731
     assert optclip.ghost_report(loss, {"w": w}, x)["['w']"].mode == "ghost"
-    for batch in (x, x.at[2].set(jnp.inf)):
-        gm.assert_as_vmap_to_bfloat16_rounding(loss, {"w": w}, batch, 1.0, mode)
+    batches = [x, x.at[2].set(jnp.inf)]
+    gm.assert_as_vmap_to_bfloat16_rounding_on_each(loss, {"w": w}, batches, 1.0, mode)
     if name in ("stacked in a scan", "one weight at every step"):
         return  # (layers in a chain: their output gradients are the chain's, in bfloat16)
     # Against float64: each example's gradient before its rounding, from the model's own
     # bfloat16 output gradient (``cos(y)``) and input, contracted in float64.
     ys = jax.vmap(lambda xb: product(w.astype(xb.dtype), xb))(x[:, None])
     outs = jax.vmap(jax.grad(lambda y: jnp.sum(jnp.sin(y).astype(jnp.float32))))(ys)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True):  # (jitted: one program, where eagerly each operation is one)
         w64 = jnp.asarray(np.asarray(w, np.float64))
-        per_example = [
-            jax.vjp(lambda v, xb=xb: product(v, xb), w64)[1](jnp.asarray(o, jnp.float64))[0]
-            for xb, o in zip(np.asarray(x[:, None], np.float64), np.asarray(outs, np.float64))
-        ]
-        per_example = np.asarray(jnp.stack(per_example))
+        vjp = lambda xb, o: jax.vjp(lambda v: product(v, xb), w64)[1](o)[0]  # noqa: E731
+        xs, os = (np.asarray(a, np.float64) for a in (x[:, None], outs))
+        per_example = np.asarray(jax.jit(jax.vmap(vjp))(xs, os))
     norms = np.sqrt(np.sum(per_example.reshape(5, -1) ** 2, axis=1))
     g = optclip.clipped_grad(loss, l2_clip_norm=1e30, return_grad_norms=True)
     sums, aux = run(g, mode)({"w": w}, x)
@@ -2466,10 +2508,11 @@ def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypat
 
     make = functools.partial(gm.scanned, remat=True) if name == "scanned" else gm.transformer
     loss, params, x = make(np.random.default_rng(24))
+    grads64 = gm.per_example_grads(loss, params, x)
     for mode in ("jit", "eager"):
         step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)
         pinned = run(step, mode)(params, x)
-        check_against_reference(loss, params, x, 0.5, mode=mode)
+        check_against_grads(pinned, grads64, 0.5)
         with monkeypatch.context() as m:
             m.setattr(_interpret, "in_row_major", lambda g: g)
             step = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True)

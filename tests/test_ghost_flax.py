@@ -56,17 +56,44 @@ def cross_entropy(logits, ids):
     return -jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(ids, VOCAB))
 
 
+def drawn(shapes, seed):
+    """Parameters of these shapes (`jax.eval_shape`'s) drawn by NumPy, where Flax's
+    initialisers would compile a program per shape: weights about ``1/sqrt(fan-in)``, norm
+    scales about one and biases about zero (not exactly, as Flax's are)."""
+    rng = np.random.default_rng(seed)
+
+    def draw(path, leaf):
+        x = rng.normal(size=leaf.shape)
+        if len(leaf.shape) > 1:
+            x = x / np.sqrt(np.prod(leaf.shape[:-1]))
+        else:
+            x = (1.0 if "scale" in jax.tree_util.keystr(path) else 0.0) + 0.1 * x
+        return jnp.asarray(x, leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def linen_params(model, x, seed):
+    return drawn(jax.eval_shape(model.init, jax.random.key(0), x[:1])["params"], seed)
+
+
+def nnx_split(make, seed):
+    """The graph of the NNX module `make` builds (built abstractly) and its parameters (a pure
+    dict, `drawn`)."""
+    graphdef, shapes = nnx.split(nnx.eval_shape(make), nnx.Param)
+    return graphdef, drawn(nnx.to_pure_dict(shapes), seed)
+
+
 def linen_case(dtype=None):
     ids = jnp.asarray(np.random.default_rng(0).integers(0, VOCAB, size=(B, T)))
     model = LinenModel(dtype)
-    params = jax.jit(model.init)(jax.random.key(0), ids[:1])["params"]
+    params = linen_params(model, ids, 0)
     return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
 
 
 def nnx_case():
     ids = jnp.asarray(np.random.default_rng(1).integers(0, VOCAB, size=(B, T)))
-    graphdef, params = nnx.split(NNXModel(nnx.Rngs(0)), nnx.Param)
-    params = nnx.to_pure_dict(params)
+    graphdef, params = nnx_split(lambda: NNXModel(nnx.Rngs(0)), 1)
 
     def loss(p, i):
         state = nnx.State(p) if hasattr(nnx, "State") else p
@@ -183,18 +210,18 @@ class NNXStacked(nnx.Module):
 def linen_stacked(remat):
     ids = jnp.asarray(np.random.default_rng(2).integers(0, VOCAB, size=(B, T)))
     model = LinenStacked(remat)
-    params = jax.jit(model.init)(jax.random.key(0), ids[:1])["params"]
+    params = linen_params(model, ids, 2)
     return lambda p, i: cross_entropy(model.apply({"params": p}, i), i), params, ids
 
 
 def nnx_stacked(remat):
     ids = jnp.asarray(np.random.default_rng(3).integers(0, VOCAB, size=(B, T)))
-    graphdef, params = nnx.split(NNXStacked(nnx.Rngs(0), remat), nnx.Param)
+    graphdef, params = nnx_split(lambda: NNXStacked(nnx.Rngs(0), remat), 3)
 
     def loss(p, i):
         return cross_entropy(nnx.merge(graphdef, nnx.State(p))(i), i)
 
-    return loss, nnx.to_pure_dict(params), ids
+    return loss, params, ids
 
 
 @pytest.mark.parametrize("remat", [True, False], ids=["remat", "scan"])
@@ -255,10 +282,9 @@ def nnx_image_case():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.normal(size=(B, 9, 9, 3)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, size=B))
-    graphdef, params = nnx.split(NNXImageModel(nnx.Rngs(0)), nnx.Param)
-    params = nnx.to_pure_dict(params)
-    # (LoRA's second factor starts at zero, which would leave its first one no gradient.)
-    params["head"]["lora"]["lora_b"] = 0.3 * jnp.ones_like(params["head"]["lora"]["lora_b"])
+    # (`drawn` draws LoRA's second factor too, where Flax's starts at zero, which would leave
+    # its first one no gradient.)
+    graphdef, params = nnx_split(lambda: NNXImageModel(nnx.Rngs(0)), 4)
 
     def loss(p, x, y):
         return labelled(nnx.merge(graphdef, nnx.State(p))(x), y)
@@ -271,7 +297,7 @@ def linen_general_case():
     x = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 10, size=B))
     model = LinenGeneralModel()
-    params = jax.jit(model.init)(jax.random.key(0), x[:1])["params"]
+    params = linen_params(model, x, 5)
     return lambda p, x, y: labelled(model.apply({"params": p}, x), y), params, (x, labels), 3
 
 

@@ -12,13 +12,17 @@ import pytest
 import optclip
 
 
+def pair(loss, method="auto", **kwargs):
+    """A function returning the results of the same call through jax_privacy and optclip."""
+    theirs = jax_privacy.clipped_grad(loss, **kwargs)
+    ours = optclip.clipped_grad(loss, method=method, **kwargs).fun
+    return lambda *a, **k: (theirs(*a, **k), ours(*a, **k))
+
+
 def both(loss, *args, method="auto", call_kwargs=None, **kwargs):
-    """The results of the same call through jax_privacy and through optclip."""
-    call_kwargs = call_kwargs or {}
-    theirs = jax_privacy.clipped_grad(loss, **kwargs)(*args, **call_kwargs)
-    ours = optclip.clipped_grad(loss, method=method, **kwargs)
-    ours = jax.jit(ours.fun)(*args, **call_kwargs)
-    return theirs, ours
+    """`pair`'s results, from one jitted program (jax_privacy's run eagerly would compile one
+    program per operation)."""
+    return jax.jit(pair(loss, method, **kwargs))(*args, **(call_kwargs or {}))
 
 
 def assert_same(theirs, ours, rtol=2e-5):
@@ -75,8 +79,12 @@ def test_the_gradient_through_the_clip_as_jax_privacy(case, method):
 
         return jax.value_and_grad(objective)(params)
 
-    theirs = through(jax_privacy.clipped_grad(loss, **kwargs))
-    ours = jax.jit(lambda: through(optclip.clipped_grad(loss, method=method, **kwargs)))()
+    theirs, ours = jax.jit(
+        lambda: (
+            through(jax_privacy.clipped_grad(loss, **kwargs)),
+            through(optclip.clipped_grad(loss, method=method, **kwargs)),
+        )
+    )()
     assert_same(theirs, ours, rtol=1e-5)
 
 
@@ -119,12 +127,16 @@ def test_per_user_groups_without_the_batch_dim():
     # jax_privacy's own example: keep_batch_dim=False, each "example" a user's rows.
     f = lambda param, data: 0.5 * jnp.mean((data - param) ** 2)  # noqa: E731
     users = jnp.array([[1.0, -1.0], [2.0, 2.0], [0.0, 3.0]])
-    for method in ("auto", "vmap"):
-        theirs, ours = both(
-            f, 3.0, users, method=method, l2_clip_norm=jnp.inf, keep_batch_dim=False
+    kwargs = {"l2_clip_norm": jnp.inf, "keep_batch_dim": False}
+    theirs, *ours = jax.jit(  # (one program: theirs, and ours by each method)
+        lambda p, d: (
+            [jax_privacy.clipped_grad(f, **kwargs)(p, d)]
+            + [optclip.clipped_grad(f, method=m, **kwargs).fun(p, d) for m in ("auto", "vmap")]
         )
-        assert_same(theirs, ours)
-        assert float(ours) == 5.5
+    )(3.0, users)
+    for by_method in ours:
+        assert_same(theirs, by_method)
+        assert float(by_method) == 5.5
 
 
 def test_differences_on_purpose():
@@ -133,7 +145,10 @@ def test_differences_on_purpose():
     # optclip drops the example.
     bad = x.at[0, 0].set(jnp.inf)
     kwargs = {"l2_clip_norm": 1.0, "return_grad_norms": True}
-    theirs, ours = both(loss, params, bad, **kwargs)
+    big = lambda p, x: loss(p, x) * 1e25  # noqa: E731
+    (theirs, ours), (theirs_big, ours_big) = jax.jit(  # (both cases in one program)
+        lambda p, bad, x: (pair(loss, **kwargs)(p, bad), pair(big, **kwargs)(p, x))
+    )(params, bad, x)
     assert not np.isfinite(ours[1].grad_norms[0])
     _, sums = gm.reference(loss, params, x, 1.0, np.arange(6) == 0)
     for k in sums:
@@ -141,8 +156,6 @@ def test_differences_on_purpose():
     assert not all(np.allclose(theirs[0][k], sums[k], rtol=1e-4) for k in sums)
     # Gradients whose squares overflow float32: jax_privacy's norm is inf (the example is
     # zeroed), optclip's is exact (the example is clipped).
-    big = lambda p, x: loss(p, x) * 1e25  # noqa: E731
-    theirs, ours = both(big, params, x, **kwargs)
-    assert np.all(np.isinf(theirs[1].grad_norms))
+    assert np.all(np.isinf(theirs_big[1].grad_norms))
     norms, sums = gm.reference(big, params, x, 1.0)
-    np.testing.assert_allclose(ours[1].grad_norms, norms, rtol=1e-5)
+    np.testing.assert_allclose(ours_big[1].grad_norms, norms, rtol=1e-5)
