@@ -41,8 +41,9 @@ def _share_compiles_within_the_run():
 def pytest_configure(config):
     """One compilation cache for the run (`_share_compiles_within_the_run`). On a GPU or TPU
     the tests' matrix products are float32's, as on a CPU: JAX's default precision there is
-    TF32 or bfloat16, and the tests compare with float64 references at float32's tolerances. (A test of what a precision does sets it itself; a precision set in
-    the environment, ``JAX_DEFAULT_MATMUL_PRECISION``, is kept.)"""
+    TF32 or bfloat16, and the tests compare with float64 references at float32's tolerances.
+    (A test of what a precision does sets it itself; a precision set in the environment,
+    ``JAX_DEFAULT_MATMUL_PRECISION``, is kept.)"""
     if jax.config.jax_default_matmul_precision is None and jax.default_backend() != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
     _share_compiles_within_the_run()
