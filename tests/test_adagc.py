@@ -230,13 +230,14 @@ def test_nonfinite_raise(mode):
 # Transformation contract: state, tracing, hyperparameters, dtypes, gradients, errors, metrics
 
 
-def small_tree(scale=1.0, dtype=jnp.float32):
+def small_tree(scale=1.0, dtype=np.float32):
+    """(NumPy arrays: building it compiles nothing.)"""
     return {
         "dense": {
-            "kernel": jnp.full((3, 2), 0.5 * scale, dtype),
-            "bias": jnp.full(2, scale, dtype),
+            "kernel": np.full((3, 2), 0.5 * scale, dtype),
+            "bias": np.full(2, scale, dtype),
         },
-        "out": jnp.asarray([scale, -2 * scale], dtype),
+        "out": np.asarray([scale, -2 * scale], dtype),
     }
 
 
@@ -279,24 +280,25 @@ def test_inject_hyperparams_traced_and_no_retrace():
     ref = optax.chain(optclip.adagc(**config), optax.sgd(1.0))
     traces = []
 
-    def step(g, state):
+    def step(g, state, ref_state):  # (and the reference's step: one program, one compile)
         traces.append(None)
-        return opt.update(g, state)
+        out, state = opt.update(g, state)
+        want, ref_state = ref.update(g, ref_state)
+        return out, state, want, ref_state
 
-    step, ref_step = jax.jit(step), jax.jit(ref.update)
+    step = jax.jit(step)
     state, ref_state = opt.init(as_jax(grads[0])), ref.init(as_jax(grads[0]))
     for g in grads[:20]:
-        out, state = step(as_jax(g), state)
-        want, ref_state = ref_step(as_jax(g), ref_state)
+        out, state, want, ref_state = step(as_jax(g), state, ref_state)
         for k in NAMES:
             np.testing.assert_allclose(out[k], want[k], rtol=1e-6, atol=1e-9)
     for name, value in (("lambda_rel", 2.0), ("beta", 0.5), ("warmup_steps", 30)):
         hyper = state[0].hyperparams
         hyper[name] = hyper[name] * 0 + value  # (keeps its dtype and weak type)
-        step(as_jax(grads[0]), state)
+        step(as_jax(grads[0]), state, ref_state)
     assert len(traces) == 1
     # A new warm-up length takes effect at once: step 21 of 30 is a warm-up step again.
-    _, after = step(as_jax(grads[20]), state)
+    _, after, _, _ = step(as_jax(grads[20]), state, ref_state)
     assert np.isinf(np.asarray(after[0].inner_state.leaf_thresholds.values)).all()
 
 
@@ -328,16 +330,23 @@ def test_dtypes_kept(dtype, jit):
 def test_group_norms_from_the_leaf_norms():
     tx = optclip.adagc(group_norms=1)
     grads = small_tree(3.0)
-    _, state = jax.jit(tx.update)(grads, tx.init(grads))
+
+    @jax.jit  # (the step and the norms to compare with: one program, one compile)
+    def step(grads, state):
+        norms = [optclip.global_norm(t) for t in (grads["dense"], grads["out"], grads)]
+        return tx.update(grads, state)[1], norms
+
+    state, (dense, out, total) = step(grads, tx.init(grads))
     assert state.group_norms.names == ("dense", "out")
-    np.testing.assert_allclose(state.group_norms["dense"], optclip.global_norm(grads["dense"]))
-    np.testing.assert_allclose(state.group_norms["out"], optclip.global_norm(grads["out"]))
-    np.testing.assert_allclose(state.global_norm, optclip.global_norm(grads), rtol=1e-6)
+    np.testing.assert_allclose(state.group_norms["dense"], dense)
+    np.testing.assert_allclose(state.group_norms["out"], out)
+    np.testing.assert_allclose(state.global_norm, total, rtol=1e-6)
 
 
 def test_none_leaves_masked_and_multisteps():
-    params = {"w": jnp.ones(3), "frozen": None, "b": jnp.ones(2)}
-    grads = {"w": jnp.array([3.0, 0.0, 4.0]), "frozen": None, "b": jnp.array([0.0, 1.0])}
+    params = {"w": np.ones(3, np.float32), "frozen": None, "b": np.ones(2, np.float32)}
+    w, b = np.array([3.0, 0.0, 4.0], np.float32), np.array([0.0, 1.0], np.float32)
+    grads = {"w": w, "frozen": None, "b": b}  # (NumPy: building them compiles nothing)
     tx = optclip.adagc(max_norm=1.0, warmup_steps=1)
     out, state = jax.jit(tx.update)(grads, tx.init(params))
     assert out["frozen"] is None and state.gamma.names == ("b", "w")
@@ -379,8 +388,9 @@ def test_flax_nnx_optimizer():
 def test_gradient_finite_and_identity_at_zero():
     tx = optclip.adagc(warmup_steps=2)
     state = tx.init(small_tree())
+    update = jax.jit(tx.update)  # (the state to differentiate at: one compile, not ~50 eager)
     for s in (1.0, 1.2, 1.1):
-        _, state = tx.update(small_tree(s), state)
+        _, state = update(small_tree(s), state)
 
     def loss(grads):
         out, _ = tx.update(grads, state)

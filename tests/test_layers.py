@@ -192,9 +192,10 @@ def test_a_layer_axis_other_than_the_first(mode):
 
 
 def test_a_negative_layer_axis_counts_from_each_leafs_last_axis():
-    grads = {"blocks": {"w": jnp.ones((3, LAYERS, 2)), "b": jnp.ones((LAYERS, 2))}}
+    f32 = np.float32
+    grads = {"blocks": {"w": np.ones((3, LAYERS, 2), f32), "b": np.ones((LAYERS, 2), f32)}}
     tx = optclip.global_clip(1.0, stacked={"blocks": -2}, group_norms="layer")
-    _, state = tx.update(grads, tx.init(grads))
+    _, state = jax.jit(lambda g: tx.update(g, tx.init(g)))(grads)  # (one program)
     np.testing.assert_allclose(state.group_norms.values, [np.sqrt(8.0)] * LAYERS, rtol=1e-6)
 
 
@@ -213,11 +214,13 @@ def test_a_negative_layer_axis_counts_from_each_leafs_last_axis():
 )
 def test_adaptive_clips_keep_per_layer_norms(make, mode):
     grads = stacked_model()
-    params = jax.tree.map(jnp.ones_like, grads)
-    outs = []
-    for spec in ("layer", None):
-        tx = make(stacked="blocks", group_norms=spec)
-        outs.append(run(tx.update, mode)(grads, tx.init(params), params))
+    params = jax.tree.map(lambda g: np.ones(g.shape, g.dtype), grads)
+    clips = [make(stacked="blocks", group_norms=spec) for spec in ("layer", None)]
+
+    def both(grads, states, params):  # (under `jit`: one program, not two)
+        return [tx.update(grads, state, params) for tx, state in zip(clips, states)]
+
+    outs = run(both, mode)(grads, [tx.init(params) for tx in clips], params)
     check_groups(outs[0][1].group_norms, expected(unroll(grads), per_layer))
     assert np.array_equal(outs[0][1].global_norm, outs[1][1].global_norm)
     for a, b in zip(jax.tree.leaves(outs[0][0]), jax.tree.leaves(outs[1][0])):
@@ -231,12 +234,19 @@ def test_agc_units_of_stacked_leaves_are_the_unrolled_models():
     params = {"blocks": {"w": jnp.asarray(rng.standard_normal((LAYERS, 6, 3)), jnp.float32)}}
     grads = {"blocks": {"w": jnp.asarray(rng.standard_normal((LAYERS, 6, 3)), jnp.float32)}}
     tx = optclip.agc(0.05, stacked="blocks")
-    stacked, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     plain = optclip.agc(0.05)
-    unrolled, _ = plain.update(unroll(grads), plain.init(unroll(params)), unroll(params))
+
+    @jax.jit  # (one program for the three updates)
+    def updates(grads, params, unrolled_grads, unrolled_params):
+        return (
+            tx.update(grads, tx.init(params), params)[0],
+            plain.update(unrolled_grads, plain.init(unrolled_params), unrolled_params)[0],
+            plain.update(grads, plain.init(params), params)[0],
+        )
+
+    stacked, unrolled, mixed = updates(grads, params, unroll(grads), unroll(params))
     want = np.stack([layer["w"] for layer in unrolled["blocks"]])
     np.testing.assert_allclose(stacked["blocks"]["w"], want, rtol=1e-6)
-    mixed, _ = plain.update(grads, plain.init(params), params)
     assert not np.allclose(mixed["blocks"]["w"], want)
 
 
@@ -262,14 +272,22 @@ class LinenModel(nn.Module):
 
 def test_flax_linen_scanned_model():
     model = LinenModel()
-    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
-    variables = model.init(jax.random.key(0), x)
-    grads = jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2))(variables)
+    x = np.linspace(-1.0, 1.0, 8, dtype=np.float32).reshape(2, 4)
+    # The model's shapes, traced (not run op by op), with NumPy draws for values.
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+    rng = np.random.default_rng(3)
+    variables = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes)
+    grad_shapes = jax.eval_shape(jax.grad(lambda v: jnp.sum(model.apply(v, x) ** 2)), variables)
+    grads = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), grad_shapes)
     kernel = grads["params"]["blocks"]["Dense_0"]["kernel"]
     assert kernel.shape == (LAYERS, 4, 4)
-    for stacked in ("blocks", "params/blocks"):  # key paths may leave out the lone "params"
-        tx = optclip.global_clip(1.0, stacked=stacked, group_norms="layer")
-        _, state = jax.jit(tx.update)(grads, tx.init(variables))
+    # Key paths may leave out the lone "params".
+    clips = [
+        optclip.global_clip(1.0, stacked=stacked, group_norms="layer")
+        for stacked in ("blocks", "params/blocks")
+    ]
+    states = jax.jit(lambda g, v: [tx.update(g, tx.init(v))[1] for tx in clips])(grads, variables)
+    for state in states:
         names = [f"params/blocks/{i}" for i in range(LAYERS)] + [
             "params/head/bias",
             "params/head/kernel",
@@ -318,10 +336,15 @@ class NNXModel(nnx.Module):
 def test_flax_nnx_vmapped_blocks_in_an_nnx_optimizer():
     """The groups of the parameters given to `init` (NNX Variables) and of the gradients given
     to `update` agree, and `optclip.metrics` names each layer."""
-    model = NNXModel(nnx.Rngs(0))
     clip = optclip.global_clip(1.0, stacked="blocks", group_norms="layer")
-    optimizer = nnx.Optimizer(model, optax.chain(clip, optax.sgd(0.1)), wrt=nnx.Param)
-    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+    @nnx.jit  # (one program, not the vmapped blocks' and the optimizer's operations one by one)
+    def create():
+        model = NNXModel(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.chain(clip, optax.sgd(0.1)), wrt=nnx.Param)
+
+    model, optimizer = create()
+    x = np.linspace(-1.0, 1.0, 8, dtype=np.float32).reshape(2, 4)
 
     @nnx.jit
     def step(model, optimizer):
@@ -347,7 +370,8 @@ def test_flax_nnx_vmapped_blocks_in_an_nnx_optimizer():
 def test_vmap_gives_per_example_per_layer_norms():
     grads = stacked_model()
     del grads["blocks"]["mlp"]["w"]  # (small leaves: quicker to compile)
-    batch = jax.tree.map(lambda g: jnp.stack([g, 2 * g, g * 1e19]), grads)
+    grads = jax.tree.map(np.asarray, grads)  # (NumPy: the batch is made on the host)
+    batch = jax.tree.map(lambda g: np.stack([g, 2 * g, g * np.float32(1e19)]), grads)
     tx = optclip.global_clip(1.0, stacked="blocks", group_norms="layer")
     states = jax.jit(jax.vmap(lambda g: tx.update(g, tx.init(g))[1]))(batch)
     want = np.asarray(list(expected(unroll(grads), per_layer).values()))

@@ -254,7 +254,7 @@ def test_equals_vmap_of_clip_by_global_norm_summed():
 
 def test_zero_gradients_stay_zero():
     for dtype in (jnp.float32, jnp.bfloat16):
-        tree = jax.tree.map(jnp.zeros_like, batch(dtype))
+        tree = {k: np.zeros((B, *s), dtype) for k, s in SHAPES.items()}  # (compiles nothing)
         for threshold in (0.0, -1.0, 1.0):
             for fn in (CLIP, LAYER):
                 summed, counts, norms = fn(tree, threshold)
@@ -302,7 +302,8 @@ def test_gradient_is_finite(fn):
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
     for scale in (0.0, 1.0, 1e20):
-        tree = jax.tree.map(lambda x, s=scale: x * s, batch(jnp.float32, seed=8, spread=False))
+        tree = batch(jnp.float32, seed=8, spread=False)  # (NumPy products: compile nothing)
+        tree = jax.tree.map(lambda x, s=scale: np.asarray(x) * np.float32(s), tree)
         grads, dc = grad(tree, 1.0)
         for x in jax.tree.leaves(grads):
             assert np.all(np.isfinite(x))
@@ -460,13 +461,23 @@ def test_traced_switch_says_to_make_it_static():
 
 def test_drop_in_for_optax_two_values_and_positional_uniform():
     """Swapping optax's functions for optclip's keeps every call and unpacking working."""
-    grads = [jnp.array([[0.0, 3.0, 4.0], [4.0, 0.0, 3.0]]), jnp.array([[1.0], [2.0]])]
-    for ours, theirs, args in (
+    grads = [np.array([[0.0, 3.0, 4.0], [4.0, 0.0, 3.0]], np.float32)]
+    grads.append(np.array([[1.0], [2.0]], np.float32))
+    pairs = (
         (optclip.per_example_clip, optax.per_example_global_norm_clip, (1.25,)),
         (optclip.per_example_layer_clip, optax.per_example_layer_norm_clip, (1.25, False)),
-    ):
-        summed, num_clipped = ours(grads, *args)
-        ref_summed, ref_num_clipped = theirs(grads, *args)
+    )
+
+    @jax.jit  # (every call in one program: one compile, not ~100 eager ones)
+    def calls(grads):
+        out = []
+        for ours, theirs, args in pairs:
+            summed, num_clipped = ours(grads, *args)
+            ref_summed, ref_num_clipped = theirs(grads, *args)
+            out.append((summed, num_clipped, ref_summed, ref_num_clipped))
+        return out
+
+    for summed, num_clipped, ref_summed, ref_num_clipped in calls(grads):
         assert jax.tree.structure(summed) == jax.tree.structure(ref_summed)
         assert jax.tree.structure(num_clipped) == jax.tree.structure(ref_num_clipped)
         for got, want in zip(jax.tree.leaves(summed), jax.tree.leaves(ref_summed)):
