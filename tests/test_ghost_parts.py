@@ -99,12 +99,44 @@ def part_of_a_part(rng):
     return loss, params, jnp.asarray(rng.normal(size=(6, 2, 6)), jnp.float32)
 
 
+def positions_added(rng):
+    """Learned positions sliced to the sequence and added, as Haiku and NNX models write them
+    (``x + pos[:T]``), and a disjoint part taken by a `dynamic_slice` and subtracted: the
+    parts' per-example gradients are the output gradients (negated for the subtracted one)."""
+    params = _params(rng, pos=(10, 4), w=(3, 4), v=(4, 4))
+
+    def loss(p, x):
+        t = x.shape[-2]
+        h = jnp.tanh(x @ p["w"] + p["pos"][:t])
+        h = jnp.tanh(h @ p["v"] - lax.dynamic_slice(p["pos"], (5, 0), (t, 4)))
+        return jnp.sum(h**2)
+
+    return loss, params, jnp.asarray(rng.normal(size=(6, 3, 3)), jnp.float32)
+
+
+def one_added_part_twice(rng):
+    """One part of a table added twice (a cross term between the uses), transposed once,
+    beside a dense use of another part of the same leaf (no cross term)."""
+    params = _params(rng, pos=(10, 4), w=(3, 4))
+
+    def loss(p, x):
+        t = x.shape[-2]
+        a = p["pos"][2 : 2 + t]
+        h = jnp.tanh(x @ p["w"] + a)
+        g = jnp.sin(h.swapaxes(-1, -2) + a.T) @ p["pos"][6:9]
+        return jnp.sum(g**2)
+
+    return loss, params, jnp.asarray(rng.normal(size=(6, 3, 3)), jnp.float32)
+
+
 MODELS = {
     "split gates in a scan": split_gates,
     "sliced rows and strides": sliced_rows_and_strides,
     "one part twice": one_part_twice,
     "positions by dynamic_slice": positions_by_dynamic_slice,
     "a part of a part": part_of_a_part,
+    "positions added": positions_added,
+    "one added part twice": one_added_part_twice,
 }
 
 
@@ -142,6 +174,12 @@ def test_ghost_report_names_the_disjoint_parts_and_the_cross_terms():
         "ghost: 3 use(s), dense with cross terms, 2 disjoint parts"
     )
     assert reports["sliced rows and strides"]["['v']"].reason.endswith("2 disjoint parts")
+    assert reports["positions added"]["['pos']"].reason == (
+        "ghost: 2 use(s), added, 2 disjoint parts"
+    )
+    assert reports["one added part twice"]["['pos']"].reason == (
+        "ghost: 3 use(s), added, dense with cross terms, 2 disjoint parts"
+    )
 
 
 def test_overlapping_parts_are_materialised_with_their_reason():
@@ -161,6 +199,32 @@ def test_overlapping_parts_are_materialised_with_their_reason():
     assert_tree_close(grads, sums)
 
 
+def test_an_added_part_also_multiplied_or_a_whole_table_added_is_materialised():
+    """A part both added and used as a dense layer's weight has no closed cross term (two
+    layouts); a whole leaf added is a bias, whose per-example gradient is no larger than the
+    output gradient a tap would hold."""
+    rng = np.random.default_rng(5)
+    params = _params(rng, pos=(10, 3), bias=(3, 3))
+
+    def loss(p, x):
+        t = x.shape[-2]
+        h = jnp.tanh(x + p["pos"][:t] + p["bias"])
+        return jnp.sum(h @ p["pos"][:t].T)
+
+    x = jnp.asarray(rng.normal(size=(5, 3, 3)), jnp.float32)
+    report = optclip.ghost_report(loss, params, x)
+    assert report["['pos']"].reason == (
+        "used by closed-form operations in different layouts (no closed cross term)"
+    )
+    assert report["['bias']"].reason == (
+        "elementwise `add` (a bias or a scale): per-example gradient of the parameter's size"
+    )
+    grads, aux = jax.jit(step(loss, 1.0))(params, x)
+    norms, sums = gm.reference(loss, params, x, 1.0)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms), norms, rtol=RTOL)
+    assert_tree_close(grads, sums)
+
+
 def test_a_part_at_a_start_the_loss_computes_from_the_data_is_materialised():
     """A `dynamic_slice` whose start depends on the example has no closed form here."""
     rng = np.random.default_rng(3)
@@ -173,6 +237,33 @@ def test_a_part_at_a_start_the_loss_computes_from_the_data_is_materialised():
     x = jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.float32)
     (leaf,) = optclip.ghost_report(loss, params, x).values()
     assert leaf.mode == "materialised" and "dynamic_slice" in leaf.reason, leaf
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_added_positions_exact_with_a_nan_example_and_squares_that_overflow(mode):
+    """Positions sliced and added, their output gradients near 1e20 (every square overflows
+    float32) in one part and near 1e-20 (every square underflows) in the other; one example
+    is not finite: its norm is NaN and it is dropped (``nan_safe``); the others' norms and
+    clipped sums are the float64 reference's."""
+    rng = np.random.default_rng(6)
+    params = _params(rng, pos=(8, 4))
+
+    def loss(p, x):
+        t = x.shape[-2]
+        big = jnp.sum(jnp.sin(x + p["pos"][:t])) * 1e20
+        return big + jnp.sum(jnp.cos(x - p["pos"][4 : 4 + t])) * 1e-20
+
+    x = jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.float32)
+    bad = x.at[3, 1, 2].set(jnp.nan)
+    kept = np.delete(np.arange(x.shape[0]), 3)
+    (leaf,) = optclip.ghost_report(loss, params, x).values()
+    assert leaf.reason == "ghost: 2 use(s), added, 2 disjoint parts", leaf
+    grads, aux = run(step(loss, 1.0), mode)(params, bad)
+    norms, sums = gm.reference(loss, params, x[kept], 1.0)
+    assert np.isnan(aux.grad_norms[3])
+    assert np.all(norms > 1e19)
+    np.testing.assert_allclose(np.asarray(aux.grad_norms)[kept], norms, rtol=RTOL)
+    assert_tree_close(grads, sums)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from optclip.per_example.ghost import _sites
+from optclip.per_example.ghost import _sites, _views
 
 HIGHEST = lax.Precision.HIGHEST
 _RANK = {None: 0, lax.Precision.DEFAULT: 0, lax.Precision.HIGH: 1, HIGHEST: 2}
@@ -183,8 +183,8 @@ def arrange(x, sliced, groups):
 def sliced_levels(site) -> tuple:
     """Per scan the site is inside, whether its view is sliced along it (stacked layers)
     rather than the same at every iteration (whose uses are summed)."""
-    mapped = site.views[0][1].leaf_dims()
-    return tuple(level is not None for level in mapped[1])
+    scans = (_views.SLICED, _views.CONSTANT)
+    return tuple(entry == _views.SLICED for entry, _ in site.views[0][1].chain if entry in scans)
 
 
 def dense_dims(eqn, pos: int):
@@ -275,6 +275,23 @@ def embed_factors(site, indices, grad, acc):
             inside &= indices[..., found.column_index].reshape(ids.shape) == 0
         y = jnp.where(inside[..., None], y, jnp.zeros((), y.dtype))
     return Factor(ids=jnp.clip(ids, 0, rows - 1), size=rows), Factor(y.astype(acc))
+
+
+def added_factors(site, record, grad, acc):
+    """The factors of a part added (`_sites.added`): a one of each example (`x`) and the
+    output gradient (`y`, negated for a subtracted part), its features in the leaf's order,
+    one row: the part's per-example gradient is the output gradient itself."""
+    del record  # (none: `_sites.recorded`)
+    pos, view = site.views[0]
+    inner, placed = view.unit_dims_dropped()
+    dims = inner.leaf_dims()[0]
+    features = tuple(placed[d] for d in sorted(range(len(dims)), key=dims.__getitem__))
+    units = tuple(d for d in range(grad.ndim - 1) if d not in features)
+    y = arrange(grad, (), ((), units, features))
+    if site.eqn.primitive.name == "sub" and pos == 1:
+        y = -y
+    x = jnp.ones((*y.shape[:4], 1), acc)
+    return Factor(x), Factor(y.astype(acc))
 
 
 def gram(a: Factor, b: Factor, acc):

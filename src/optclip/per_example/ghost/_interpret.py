@@ -251,12 +251,6 @@ def site_records(site, records):
     return [records[key] for key in site.records]
 
 
-def recorded_positions(site):
-    """The operand positions of `site` that are recorded (every one but the views)."""
-    views = {pos for pos, _ in site.views}
-    return [i for i in range(len(site.eqn.invars)) if i not in views]
-
-
 def run(jaxpr, consts, args, plan, taps, records, batched):
     """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
     sites, filling `records` (``{record key: (recorded operand, its `exponent_of`)}``)
@@ -283,7 +277,7 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
             else:
                 outs = bind(eqn, invals)
             if site is not None and site.id in taps:
-                for key, i in zip(site.records, recorded_positions(site), strict=True):
+                for key, i in zip(site.records, site.recorded, strict=True):
                     if key not in records:
                         e = exponent_of(invals[i])
                         records[key] = (scaled(invals[i], e), e)

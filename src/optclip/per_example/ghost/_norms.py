@@ -69,8 +69,8 @@ def use_factors(plan, t: _interpret.Tapped, acc) -> list:
     out = []
     for use in plan.uses:
         site = use.site
-        record, grad = t.records[site.records[0]], t.grads[site.id][0]
-        (r, er), (g, eg) = aligned(site, *record), aligned(site, *grad)
+        g, eg = aligned(site, *t.grads[site.id][0])
+        r, er = aligned(site, *t.records[site.records[0]]) if site.records else (None, 0 * eg)
         x, y = _rules.of(site).factors(site, r, g, acc)
         out.append((y, eg, x, er) if use.swapped else (x, er, y, eg))
     return out

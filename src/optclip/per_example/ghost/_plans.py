@@ -1,6 +1,6 @@
 """How each parameter leaf's per-example norm and clipped sum are computed: its *route*.
 
-A leaf goes ghost when every use is a closed-form site (`_sites.Kind`: dense, embed, conv)
+A leaf goes ghost when every use is a closed-form site (`_sites.Kind`: dense, embed, conv, added)
 and all of them share one layout (or its transpose: the input and output embeddings of a tied
 model); its squared norm is then the sum over every pair of its uses (the cross terms
 included, each use times the number its view scales the leaf by) and its clipped sum is

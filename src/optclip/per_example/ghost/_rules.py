@@ -22,6 +22,9 @@ RULES: dict[str, Rule] = {
     "dot_general": Rule(_sites.dense, _factors.dense_factors, _products.dense_view_sum),
     "gather": Rule(_sites.embed, _factors.embed_factors, None),
     "conv_general_dilated": Rule(_sites.conv, _factors.conv_factors, _products.conv_view_sum),
+    "add": Rule(_sites.added, _factors.added_factors, None),
+    "add_any": Rule(_sites.added, _factors.added_factors, None),
+    "sub": Rule(_sites.added, _factors.added_factors, None),
 }
 
 

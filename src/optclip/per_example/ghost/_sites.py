@@ -7,6 +7,9 @@ A site is
   transposes, slices and splits, the scans' slices, scalings): dense layers and einsums;
 * `Kind.EMBED`: `gather` of whole rows of a 2-D view, outside scans: an embedding lookup;
 * `Kind.CONV`: `conv_general_dilated` by one kernel view;
+* `Kind.ADDED`: `add` or `sub` of a part of a leaf (``pos[:T]``, a `dynamic_slice` of
+  learned positions) and an operand of its shape, outside scans: the part's gradient is the
+  output gradient (its negation for a subtracted part), and nothing is recorded;
 * `Kind.FALLBACK`: anything else (the leaf's per-example gradient is materialised).
 
 A closed-form site's `Layout` names, in the leaf's dimensions, how its per-example gradient
@@ -28,6 +31,7 @@ class Kind(enum.Enum):
     DENSE = "dense"
     EMBED = "embed"
     CONV = "conv"
+    ADDED = "added"
     FALLBACK = "fallback"
 
 
@@ -73,6 +77,20 @@ class Site:
         """How many scans the site is inside."""
         return len(self.stack)
 
+    @property
+    def recorded(self) -> list[int]:
+        """The operand positions the tapped pass records, in order: `recorded` of its kind."""
+        return recorded(self.kind, self.eqn, self.views)
+
+
+def recorded(kind: Kind, eqn, views) -> list[int]:
+    """The operand positions a site of `kind` records: every one but the parameter `views`
+    (``(position, View)``), none for an added part (its gradient does not read them)."""
+    if kind is Kind.ADDED:
+        return []
+    viewed = {pos for pos, _ in views}
+    return [i for i in range(len(eqn.invars)) if i not in viewed]
+
 
 def fallback(eqn, why: str) -> Classified:
     return Classified(Kind.FALLBACK, f"`{eqn.primitive.name}` {why}")
@@ -92,6 +110,25 @@ def other(eqn, used) -> Classified:
         )
         return Classified(Kind.FALLBACK, why)
     return Classified(Kind.FALLBACK, f"no closed form for `{name}`")
+
+
+def added(eqn, used) -> Classified:
+    """`add` or `sub` of one view, a part of its leaf outside scans, and an operand of the
+    output's shape: learned positions sliced to the sequence (``x + pos[:T]``), dimensions of
+    size 1 inserted or not (`_views.View.unit_dims_dropped`). Its layout has no input
+    dimensions and the part's leaf dimensions, in the leaf's order, as outputs.
+    A whole leaf added (a bias) stays a fallback: its per-example gradient is no larger than
+    the output gradient a tap would hold."""
+    view = used[0][1]
+    plain = len(used) == 1 and not view.depth
+    mapped = view.unit_dims_dropped()[0].leaf_dims() if plain else None
+    shape = eqn.outvars[0].aval.shape
+    same = all(v.aval.shape == shape for v in eqn.invars)
+    if mapped is None or not mapped[2] or not same:
+        return other(eqn, used)
+    dims, _, pins = mapped
+    layout = Layout((), (), tuple(sorted(dims)), pins)
+    return Classified(Kind.ADDED, f"part added (`{eqn.primitive.name}`): ghost norm", layout)
 
 
 def dense(eqn, used) -> Classified:

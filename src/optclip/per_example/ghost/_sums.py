@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jcore
 
 from optclip.per_example import _clips
 from optclip.per_example.ghost import _factors, _interpret, _norms, _plans, _rules, _sites
@@ -104,13 +105,17 @@ def _times(x, c):
 
 def equation(site):
     """``f(record, *views)``: `site`'s equation for one example at one iteration of the scans
-    it is inside, returning its floating-point outputs."""
+    it is inside, returning its floating-point outputs. An operand neither recorded nor a
+    view (an added part's other operand: the part's gradient does not read it) is zeros."""
     positions = [pos for pos, _ in site.views]
-    recorded = _interpret.recorded_positions(site)
+    recorded = site.recorded
     outputs = _interpret.float_outputs(site.eqn)
 
     def f(record, *views):
-        invals = [None] * len(site.eqn.invars)
+        invals = [
+            v.val if isinstance(v, jcore.Literal) else jnp.zeros(v.aval.shape, v.aval.dtype)
+            for v in site.eqn.invars
+        ]
         for i, x in zip(recorded, record, strict=True):
             invals[i] = x
         for i, x in zip(positions, views, strict=True):
@@ -146,8 +151,8 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     by, `scaled`) on the smaller side of a bilinear site, else on the output gradients. `axis`:
     `jax.vmap`'s `spmd_axis_name`."""
     values = [view.stacked(t.leaves[view.leaf]) for _, view in site.views]
-    record, exponent = t.records[site.records[0]]
-    record = [record]
+    record, exponent = t.records[site.records[0]] if site.records else (None, 0)
+    record = [] if record is None else [record]
     cotangent = [g for g, _ in t.grads[site.id]]
     exponents = [exponent + e for _, e in t.grads[site.id]]
     narrow = any(_narrow(x.dtype, w.dtype) for x in record + cotangent)

@@ -105,13 +105,12 @@ def analyse(jaxpr, views: dict, live_out, known=None, walk=None):
             for i, view in out_views.items():
                 views[eqn.outvars[i]] = view
             continue
-        viewed = {pos for pos, _ in used}
+        classified = _rules.classify(eqn, used)
         records = tuple(
             keys.setdefault(v, next(walk.ids)) if isinstance(v, jcore.Var) else next(walk.ids)
-            for i, v in enumerate(eqn.invars)
-            if i not in viewed
+            for v in (eqn.invars[i] for i in _sites.recorded(classified.kind, eqn, used))
         )
-        sites[index] = _site(eqn, used, _rules.classify(eqn, used), records, walk)
+        sites[index] = _site(eqn, used, classified, records, walk)
     out_views = {
         i: views[v]
         for i, v in enumerate(jaxpr.outvars)

@@ -157,6 +157,33 @@ class View:
                 value = bind(value)
         return value
 
+    def unit_dims_dropped(self):
+        """``(view, placed)``: this view before the last operations of its chain that only
+        insert dimensions of size 1 (a `broadcast_in_dim`, `reshape` or `expand_dims`: the
+        batch dimension of one an example keeps with ``keep_batch_dim``), and for each of
+        that view's dimensions the dimension of this one it is."""
+        view, placed = self, None
+        while view.chain and view.chain[-1][0] in (lax.broadcast_in_dim_p, lax.reshape_p):
+            primitive, params = view.chain[-1]
+            before = View(view.leaf, view.shape, view.chain[:-1])
+            shape = before.shape_of()
+            at: list | None
+            if primitive is lax.broadcast_in_dim_p:
+                out, at = tuple(params["shape"]), list(params["broadcast_dimensions"])
+            else:
+                out = tuple(params["new_sizes"])
+                at = None if params.get("dimensions") is not None else _matched(shape, out)
+            if at is None or any(out[j] != n for j, n in zip(at, shape, strict=True)):
+                break
+            if any(out[j] != 1 for j in range(len(out)) if j not in at):
+                break
+            view, placed = before, at if placed is None else [placed[j] for j in at]
+        return view, tuple(range(len(view.shape_of())) if placed is None else placed)
+
+    def shape_of(self) -> tuple:
+        """The view's shape (of one iteration of the scans it is inside, stacked)."""
+        return jax.eval_shape(self.stacked, jax.ShapeDtypeStruct(self.shape, jnp.float32)).shape
+
     def leaf_dims(self):
         """For a chain of plain views only (dtype conversions, transposes, the scans' slices,
         slices and squeezes): ``(dims, levels, pins)``, the leaf dimension of each view
@@ -196,6 +223,22 @@ class View:
             elif primitive.name not in PLAIN_PRIMITIVES:
                 return None
         return tuple(dims), tuple(levels), tuple(sorted(pins.items()))
+
+
+def _matched(shape, out):
+    """For a reshape of `shape` to `out` that only inserts dimensions of size 1: the dimension
+    of `out` of each of `shape`'s, in order (None for any other reshape)."""
+    at, j = [], 0
+    for n in shape:
+        while j < len(out) and out[j] != n:
+            if out[j] != 1:
+                return None
+            j += 1
+        if j == len(out):
+            return None
+        at.append(j)
+        j += 1
+    return at if all(n == 1 for n in out[j:]) else None
 
 
 def scaling(eqn, used, known):
