@@ -90,13 +90,23 @@ def accuracy(params, data) -> float:
     return float(jnp.mean(jnp.argmax(logits_of(params, tokens), -1) == labels))
 
 
-def poisson_batch(key, data):
-    """A Poisson sample of `data` (rate EXPECTED_BATCH / TRAIN), padded to PADDED_BATCH rows:
-    ``(tokens, labels, is_padding_example)``."""
-    tokens, labels = data
-    chosen = jax.random.bernoulli(key, EXPECTED_BATCH / TRAIN, (TRAIN,))
-    order = jnp.argsort(~chosen)[:PADDED_BATCH]  # the chosen first (a sample over 320 is cut)
-    return tokens[order], labels[order], ~chosen[order]
+def poisson_batch(key, data, expected=EXPECTED_BATCH, padded=PADDED_BATCH):
+    """A Poisson sample of `data` (arrays of one length: each row in with probability
+    ``expected / length``), padded to `padded` rows: ``(*rows of each array,
+    is_padding_example)``. The chosen rows come first; a sample over `padded` is cut."""
+    size = data[0].shape[0]
+    chosen = jax.random.bernoulli(key, expected / size, (size,))
+    order = jnp.argsort(~chosen)[:padded]
+    return (*(x[order] for x in data), ~chosen[order])
+
+
+def noisy_mean(summed, key, expected=EXPECTED_BATCH):
+    """DP-SGD's gradient: the clipped sum `summed` (a tree) plus Gaussian noise of standard
+    deviation ``SIGMA * CLIP`` on every entry, divided by the expected batch size."""
+    leaves, tree = jax.tree.flatten(summed)
+    keys = jax.random.split(key, len(leaves))
+    noisy = [g + SIGMA * CLIP * jax.random.normal(k, g.shape) for g, k in zip(leaves, keys)]
+    return jax.tree.map(lambda g: g / expected, jax.tree.unflatten(tree, noisy))
 
 
 private_grad = optclip.clipped_grad(
@@ -115,10 +125,7 @@ def train(steps: int, private: bool, data, test, seed: int = 0):
         tokens, labels, padding = poisson_batch(sample_key, data)
         if private:
             summed, aux = private_grad(params, tokens, labels, is_padding_example=padding)
-            leaves, tree = jax.tree.flatten(summed)
-            keys = jax.random.split(noise_key, len(leaves))
-            noisy = [g + SIGMA * CLIP * jax.random.normal(k, g.shape) for g, k in zip(leaves, keys)]
-            grads = jax.tree.map(lambda g: g / EXPECTED_BATCH, jax.tree.unflatten(tree, noisy))
+            grads = noisy_mean(summed, noise_key)
             real = ~padding
             clipped = jnp.sum((aux.grad_norms > CLIP) & real) / jnp.maximum(jnp.sum(real), 1)
         else:
@@ -146,17 +153,15 @@ def per_example_losses(params, tokens, labels):
     return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0]
 
 
-def epsilon(steps: int):
-    """Epsilon at DELTA of `steps` Poisson-sampled Gaussian steps (dp_accounting's RDP
-    accountant), or None without dp_accounting."""
+def epsilon(steps: int, rate: float = EXPECTED_BATCH / TRAIN):
+    """Epsilon at DELTA of `steps` Gaussian steps of noise multiplier SIGMA on Poisson samples
+    at `rate` (dp_accounting's RDP accountant), or None without dp_accounting."""
     if importlib.util.find_spec("dp_accounting") is None:
         return None
     import dp_accounting
 
     event = dp_accounting.SelfComposedDpEvent(
-        dp_accounting.PoissonSampledDpEvent(
-            EXPECTED_BATCH / TRAIN, dp_accounting.GaussianDpEvent(SIGMA)
-        ),
+        dp_accounting.PoissonSampledDpEvent(rate, dp_accounting.GaussianDpEvent(SIGMA)),
         steps,
     )
     logging.getLogger("absl").setLevel(logging.ERROR)  # (orders it cannot bound are skipped)

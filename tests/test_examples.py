@@ -48,6 +48,10 @@ QUICK_RUNS = {
         ["--steps", "20"],
         [r"^\['embed'\] +ghost ", r"^ +20 +\d\.\d{3} ", r"epsilon = [\d.]+ at delta = 1e-05$"],
     ),
+    "private_lstm.py": (
+        ["--steps", "10"],
+        [r"^\['w_rec'\] +ghost ", r"^ +10 +\d\.\d{4} ", r"epsilon = [\d.]+ at delta = 1e-05$"],
+    ),
     "loss_scaling.py": (
         ["--steps", "40", "--seeds", "1"],
         [r"^float32\s", r"^float16, loss scaling\s", r"^float16, no loss scaling\s"],
