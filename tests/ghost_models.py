@@ -177,6 +177,29 @@ def recurrent(rng, dtype=np.float32, d=3, t=4, batch=4):
     return loss, params, x
 
 
+def nested_constants(rng, dtype=np.float32, batch=4):
+    """A convolution kernel and a dense weight the same at every step of two nested scans, and
+    a weight the inner scan slices (the same at every step of the outer one): each weight's
+    sum is over every step's rows."""
+    params = _init(rng, {"k": (3, 3, 2, 2), "u": (2, 2), "v": (3, 2, 2)}, dtype)
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def loss(p, x):
+        def inner(g, v):
+            g = jnp.tanh(
+                jax.lax.conv_general_dilated(g, p["k"], (1, 1), "SAME", dimension_numbers=dn)
+            )
+            return jnp.tanh(g @ p["u"] + g @ v), None
+
+        def outer(h, _):
+            return jax.lax.scan(inner, h, p["v"])[0], None
+
+        h, _ = jax.lax.scan(outer, x, None, length=2)
+        return jnp.sum(h**2)
+
+    return loss, params, jnp.asarray(rng.normal(size=(batch, 5, 4, 2)), dtype)
+
+
 def sliced(rng, dtype=np.float32, d=3, batch=4):
     """One stacked leaf used through single indices: rows 0 and 1 (orthogonal, no cross
     term), row 0 twice (a cross term); another through a range (materialised)."""

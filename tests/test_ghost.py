@@ -141,6 +141,20 @@ def test_every_model_method_and_threshold(name, clip, method, mode):
     check_against_reference(loss, params, x, clip, method, mode)
 
 
+@pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
+def test_weights_the_same_at_every_step_of_nested_scans_match_the_float64_reference(mode):
+    """A kernel and a weight the same at every step of two nested scans (each one product over
+    every step's rows, `_sums._constants_merged`) beside a weight the inner scan slices: the
+    norms and sums of the float64 reference, some examples clipped, one padding."""
+    loss, params, x = gm.nested_constants(np.random.default_rng(3))
+    report = optclip.ghost_report(loss, params, x)
+    assert {r.mode for r in report.values()} == {"ghost"}, report
+    norms, _ = gm.reference(loss, params, x, 1.0)
+    clip = float(np.median(norms))
+    padding = np.arange(x.shape[0]) == 1
+    check_against_reference(loss, params, x, clip, mode=mode, is_padding_example=padding)
+
+
 @pytest.mark.parametrize("magnitude", [1e22, 1e-24])
 def test_norms_exact_at_magnitudes_whose_squares_overflow_or_flush(magnitude):
     # Dense layers and an embedding, whose closed forms multiply four factors: output

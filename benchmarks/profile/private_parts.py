@@ -338,7 +338,7 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
     w = jax.random.uniform(key_w, (batch,))
     kernel = jnp.zeros((shape.inputs, shape.hidden))
     eqn = jax.make_jaxpr(lambda x, k: x @ k)(a[0], kernel).jaxpr.eqns[0]
-    site = types.SimpleNamespace(eqn=eqn, views=((1, None),), depth=0)  # (what the sum reads)
+    site = types.SimpleNamespace(eqn=eqn, views=((1, None),))  # (what the sum reads)
     target = Target(cpu=jax.default_backend() == "cpu")
 
     def plain(a, g, w):  # the non-private step's product (no factors)
@@ -349,7 +349,7 @@ def products(batch: int, shape: models.MLPShape, pairs: int) -> list[dict]:
         return jax.vjp(lambda k: f(a, k), kernel)[1](g * w[:, None, None])[0]
 
     def written_out(a, g, w):
-        return _products.dense_view_sum(site, kernel, a, g * w[:, None, None], target)
+        return _products.dense_view_sum(site, kernel, a, g * w[:, None, None], target, 0)
 
     ways = {"A^T G (non-private)": plain, "VJP of the batch": vjp, "written out": written_out}
     fns = {name: jax.jit(f).lower(a, g, w).compile() for name, f in ways.items()}

@@ -24,16 +24,18 @@ from optclip.per_example.ghost import _factors
 from optclip.per_example.ghost._target import Target
 
 
-def dense_view_sum(site, value, record, cotangent, target: Target):
-    """The cotangent of a `dot_general` site's view (`value` its stacked view) from the
-    batch's other operand `record` and output gradient `cotangent` (both laid out
-    ``(*levels, B, ...)``): one `dot_general` contracting the examples and the other operand's
-    free dimensions (merged into one where they are adjacent, as ``(B*T, C)``), its output
-    in the view's order where the view is the right operand (``x @ W``: no transpose). The
-    VJP of the batched equation gives the same numbers, but puts the output gradient first
-    and transposes the product after it, which XLA on the CPU runs more slowly. A float16 or
-    bfloat16 view's product comes out in float32 (its layers are added there)."""
-    eqn, pos, depth = site.eqn, site.views[0][0], site.depth
+def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
+    """The cotangent of a `dot_general` site's view (`value` its view stacked over `depth`
+    levels) from the batch's other operand `record` and output gradient `cotangent` (both
+    laid out ``(*levels, B, ...)``, the levels at which the view is the same at every step
+    merged into the examples: `_sums._constants_merged`): one `dot_general` contracting the
+    examples and the other operand's free dimensions (merged into one where they are
+    adjacent, as ``(B*T, C)``), its output in the view's order where the view is the right
+    operand (``x @ W``: no transpose). The VJP of the batched equation gives the same
+    numbers, but puts the output gradient first and transposes the product after it, which
+    XLA on the CPU runs more slowly. A float16 or bfloat16 view's product comes out in
+    float32 (its layers are added there)."""
+    eqn, pos = site.eqn, site.views[0][0]
     o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
@@ -94,18 +96,18 @@ def _merged(x, summed: list, batch: list):
     return x, [start], [d if d < start else d - n + 1 for d in batch]
 
 
-def conv_view_sum(site, value, record, cotangent, target: Target):
+def conv_view_sum(site, value, record, cotangent, target: Target, depth: int):
     """On a CPU (elsewhere None: JAX's VJP of the batched equation), the cotangent of a
-    convolution's kernel view (`value`, stacked over the `depth` levels of the scans it is
-    inside) from the batch's input `record` and output gradient
-    `cotangent` (both laid out ``(*levels, B, ...)``): per level, the transposed convolution
-    JAX's VJP forms for the kernel (``_conv_general_dilated_transpose_rhs``), the examples
-    merged into the images, its operands laid out ``(C, *spatial, images)`` and ``(*spatial,
-    images, O)`` and its output ``(I, *spatial, O)``. The levels (every level's kernel, summed
-    by the view's chain where the kernel is the same at every step) one after another."""
+    convolution's kernel view (`value`, stacked over `depth` levels: the scans that slice it)
+    from the batch's input `record` and output gradient `cotangent` (both laid out
+    ``(*levels, B, ...)``, the levels at which the kernel is the same at every step merged into
+    the examples): per level, the transposed convolution JAX's VJP forms for the kernel
+    (``_conv_general_dilated_transpose_rhs``), the examples merged into the images, its
+    operands laid out ``(C, *spatial, images)`` and ``(*spatial, images, O)`` and its output
+    ``(I, *spatial, O)``. The levels one after another."""
     if not target.cpu:
         return None
-    p, depth = site.eqn.params, site.depth
+    p = site.eqn.params
     kernel_shape = value.shape[depth:]
     work = _clips._work_dtype(value.dtype)
     if record.size == 0 or cotangent.size == 0:

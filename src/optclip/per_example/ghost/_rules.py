@@ -15,7 +15,8 @@ from optclip.per_example.ghost import _factors, _products, _sites
 class Rule(NamedTuple):
     classify: Callable  # (eqn, used) -> _sites.Classified
     factors: Callable  # (site, record, output gradient, acc) -> (x, y): `_factors.Factor`s
-    view_sum: Callable | None  # (site, stacked view, record, cotangent, target) -> cotangent
+    # (site, stacked view, record, cotangent, target, depth) -> cotangent, or None
+    view_sum: Callable | None
 
 
 RULES: dict[str, Rule] = {

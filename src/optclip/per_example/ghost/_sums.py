@@ -126,14 +126,30 @@ def equation(site):
     return f
 
 
-def pull_back(site, leaves, cotangents):
-    """The views' cotangents of `site` carried back to their leaves (summed per leaf), in
+def _constants_merged(sliced, x):
+    """`x`, laid out ``(*levels, B, ...)``, with the levels at which the view is the same at
+    every step (not `sliced`: a weight applied at every step of its scan) merged into the
+    examples: ``(*sliced levels, steps x B, ...)``. Every step's rows are then rows of one
+    product over the batch, which XLA on a CPU runs faster than a product per step."""
+    levels = len(sliced)
+    keep = [i for i in range(levels) if sliced[i]]
+    merged = [i for i in range(levels) if not sliced[i]] + [levels]
+    order = [*keep, *merged, *range(levels + 1, x.ndim)]
+    if order != list(range(x.ndim)):
+        x = jnp.transpose(x, order)
+    return x.reshape(*x.shape[: len(keep)], -1, *x.shape[levels + 1 :])
+
+
+def pull_back(site, leaves, cotangents, views=None):
+    """The cotangents of `site`'s views (or of `views`, in their order: the views with their
+    constant levels dropped, `View.sliced_only`) carried back to their leaves (summed per leaf), in
     float32 for a float16 or bfloat16 leaf whose views keep its dtype (a scan's layers added
     there, not in float16); a view that converts the leaf's dtype takes its own. A scale
     traced outside the loss multiplies a nonzero entry only: a scale not finite gives every
     example a NaN norm, so that the batch is dropped or its weights are NaN."""
     out: dict = {}
-    for (_, view), ct in zip(site.views, cotangents, strict=True):
+    views = [view for _, view in site.views] if views is None else views
+    for view, ct in zip(views, cotangents, strict=True):
         source = leaves[view.leaf].astype(_clips._work_dtype(leaves[view.leaf].dtype))
         scale = view.scale
         plain = view if isinstance(scale, float) else view.unscaled()
@@ -150,7 +166,6 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     each example's factor (times the powers of two its record and output gradient were divided
     by, `scaled`) on the smaller side of a bilinear site, else on the output gradients. `axis`:
     `jax.vmap`'s `spmd_axis_name`."""
-    values = [view.stacked(t.leaves[view.leaf]) for _, view in site.views]
     record, exponent = t.records[site.records[0]] if site.records else (None, 0)
     record = [] if record is None else [record]
     cotangent = [g for g, _ in t.grads[site.id]]
@@ -163,10 +178,19 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     else:
         cotangent = [_times(g, c) for g, c in zip(cotangent, factors, strict=True)]
     rule = _rules.RULES.get(site.eqn.primitive.name)
-    written = None if rule is None or rule.view_sum is None else rule.view_sum
-    product = written and written(site, values[0], record[0], cotangent[0], target)
-    if product is not None:
-        return pull_back(site, t.leaves, [_times_power(product, shift) if narrow else product])
+    if rule is not None and rule.view_sum is not None:
+        views, depth, r, c = [v for _, v in site.views], site.depth, record[0], cotangent[0]
+        sliced = _factors.sliced_levels(site)
+        if not narrow and not all(sliced):  # (narrow: a shift per level, applied after)
+            views = [v.sliced_only() for v in views]
+            r, c = _constants_merged(sliced, r), _constants_merged(sliced, c)
+            depth = sum(sliced)
+        value = views[0].stacked(t.leaves[views[0].leaf])  # (its shape, dtype and sharding)
+        product = rule.view_sum(site, value, r, c, target, depth)
+        if product is not None:
+            product = _times_power(product, shift) if narrow else product
+            return pull_back(site, t.leaves, [product], views)
+    values = [view.stacked(t.leaves[view.leaf]) for _, view in site.views]
     f = jax.vmap(
         equation(site),
         in_axes=(0, *([None] * len(values))),

@@ -128,6 +128,12 @@ class View:
         operand) or the whole view at every iteration (a constant)."""
         return View(self.leaf, self.shape, self.chain + ((SLICED if sliced else CONSTANT, length),))
 
+    def sliced_only(self) -> View:
+        """The view without its entries into scans at which it is constant: its `stacked`
+        value has the sliced levels only, and its cotangent there is the sum over the
+        constant levels' steps."""
+        return View(self.leaf, self.shape, tuple(e for e in self.chain if e[0] != CONSTANT))
+
     @property
     def depth(self) -> int:
         """How many `scan` bodies the view is inside."""
