@@ -398,7 +398,7 @@ def test_clipped_sums_exact_at_every_balance_of_inputs_gradients_and_clip(
 @pytest.mark.every_case
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
-    # `_interpret.scaled` by `_interpret.exponent_of`: the largest magnitude in [0.5, 1),
+    # `_interpret.scaled` by `_interpret.exponents_of`: the largest magnitude in [0.5, 1),
     # every entry divided by the same power of two, from the dtype's smallest normal numbers
     # to its largest; a zero keeps its values with `ZERO_EXPONENT`; an entry not finite gives
     # zeros and `FLAG`; an exponent per leading index scales each row by its own.
@@ -408,9 +408,9 @@ def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
     rng = np.random.default_rng(32)
 
     @jax.jit
-    def f(x):
-        e = _interpret.exponent_of(x)
-        return _interpret.scaled(x, e), e
+    def f(x):  # (x as one example: its exponent per leading index of size 1, squeezed)
+        e = _interpret.exponents_of(x[None], 0)
+        return _interpret.scaled(x[None], e)[0], e[0]
 
     lo, hi = int(info.minexp) + 1, int(info.maxexp)  # (the largest entry's, normal)
     for exponent in sorted({lo, lo // 2, -1, 0, 1, hi // 2, hi}):
@@ -427,7 +427,7 @@ def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
         got, e = f(jnp.asarray([1.0, bad, 2.0], dtype))
         assert int(e) == _interpret.FLAG and not np.any(np.asarray(got))
     rows = np.asarray(jnp.asarray([[3.0, -1.0], [0.25, 0.125], [5.0, np.nan]], dtype), np.float64)
-    exponents = jax.vmap(_interpret.exponent_of)(jnp.asarray(rows, dtype))
+    exponents = _interpret.exponents_of(jnp.asarray(rows, dtype), 0)
     got = np.asarray(_interpret.scaled(jnp.asarray(rows, dtype), exponents), np.float64)
     assert list(np.asarray(exponents)) == [2, -1, _interpret.FLAG]
     np.testing.assert_array_equal(got, [[0.75, -0.25], [0.5, 0.25], [0.0, 0.0]])

@@ -118,23 +118,37 @@ FLAG = 2**22
 FLAGGED = 2**21
 
 
+def exponents_of(x, axis: int):
+    """Per index of `x`'s first ``axis + 1`` dimensions (the layers of the scans, then the
+    examples, as the tapped pass stacks records and output gradients), the exponent ``e`` of
+    the power of two near that slice's largest magnitude (``2**(e-1) <= max|x| < 2**e``,
+    int32): `_factors.ZERO_EXPONENT` for a slice that is 0, `FLAG` for one with an entry not
+    finite; 0 for an `x` not floating. One reduction, no copy of `x`."""
+    if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
+        return jnp.zeros(x.shape[: axis + 1], jnp.int32)
+    return _flagged_exponent(jnp.max(jnp.abs(x), axis=tuple(range(axis + 1, x.ndim))))
+
+
 def exponent_of(x):
-    """The exponent ``e`` of the power of two near `x`'s largest magnitude (``2**(e-1) <=
-    max|x| < 2**e``, int32): `_factors.ZERO_EXPONENT` for an `x` that is 0, `FLAG` for one
-    with an entry not finite, 0 for one not floating. One reduction: no copy of `x`."""
+    """`exponents_of` of `x` as a whole (a scalar)."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros((), jnp.int32)
-    e = _factors.exponent(lax.stop_gradient(jnp.max(jnp.abs(x))))
-    return lax.select(e > jnp.finfo(x.dtype).maxexp, jnp.int32(FLAG), e)
+    return _flagged_exponent(jnp.max(jnp.abs(x)))
+
+
+def _flagged_exponent(m):
+    """`_factors.exponent` of the largest magnitudes `m`, `FLAG` where one is not finite."""
+    e = _factors.exponent(lax.stop_gradient(m))
+    return jnp.where(e > jnp.finfo(m.dtype).maxexp, FLAG, e)
 
 
 def scaled(x, e):
     """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
     `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of
     `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. The
-    records and output gradients are kept as they are with their exponents, and scaled so
-    only where the norms and sums read them (after the backward pass, not beside it): no
-    product of them the norms and sums form overflows or flushes."""
+    records and output gradients are kept as they are, and scaled only after the backward
+    pass (not beside it): no product of them the norms and sums form overflows or
+    flushes."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return x
     e = jnp.reshape(e, jnp.shape(e) + (1,) * (x.ndim - jnp.ndim(e)))
@@ -146,15 +160,21 @@ def scaled(x, e):
     return jnp.where(bad, jnp.zeros((), x.dtype), (x * up) * jnp.asarray(0.25, x.dtype))
 
 
+def in_row_major(x):
+    """`x` held in the row-major layout (a layout constraint: the same values)."""
+    return layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
+
+
 @jax.custom_vjp
 def tap(y, t, e):
     """`y`, whose output gradient comes out as the gradients of its taps `t` (zeros of `y`'s
-    shape) and `e` (a zero per example): the output gradient itself and its `exponent_of`.
-    The forward pass never reads `t` (unlike ``y + t``, nothing of its size is formed). The
-    output gradient is held row-major (`in_row_major`): XLA's GPU layout assignment otherwise
-    gave it, in a scanned layer with a materialised bias, the layout of that bias's
-    per-example sum, and transposed it for every reader; a CPU lays it out row-major
-    already."""
+    shape) and `e` (a zero per example): the output gradient itself and its `exponent_of`
+    (taken in the backward pass, where the gradient is formed: XLA then scales it in place
+    after the pass). The forward pass never reads `t` (unlike ``y + t``, nothing of its size
+    is formed). The output gradient is held row-major (`in_row_major`): XLA's GPU layout
+    assignment otherwise gave it, in a scanned layer with a materialised bias, the layout of
+    that bias's per-example sum, and transposed it for every reader; a CPU lays it out
+    row-major already."""
     del t, e
     return y
 
@@ -169,12 +189,24 @@ def _tap_backward(_, g):
     return g, g, exponent_of(g).astype(jnp.float32)
 
 
-def in_row_major(x):
-    """`x` held in the row-major layout (a layout constraint: the same values)."""
-    return layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
-
-
 tap.defvjp(_tap_forward, _tap_backward)
+
+
+@jax.custom_vjp
+def tap_in_scan(y, t, e):
+    """`tap` inside a scan's body: the gradient of `e` is 0, the output gradients' exponents
+    taken after the backward pass, on every step's at once (`exponents_of`), not one step at
+    a time inside the backward pass's loop."""
+    del t, e
+    return y
+
+
+def _tap_in_scan_backward(_, g):
+    g = in_row_major(g)
+    return g, g, jnp.zeros((), jnp.float32)
+
+
+tap_in_scan.defvjp(_tap_forward, _tap_in_scan_backward)
 
 
 def _broadcast(site) -> bool:
@@ -246,15 +278,10 @@ def tap_shapes(sites):
     }
 
 
-def site_records(site, records):
-    """`site`'s recorded operands, from the records of the tapped pass."""
-    return [records[key] for key in site.records]
-
-
 def run(jaxpr, consts, args, plan, taps, records, batched):
     """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
-    sites, filling `records` (``{record key: (recorded operand, its `exponent_of`)}``)
-    with theirs; `batched` holds the ids of the sites whose operands differ between examples
+    sites, filling `records` (``{record key: recorded operand}``) with theirs; `batched`
+    holds the ids of the sites whose operands differ between examples
     (`_trace.batched_sites`). Returns the outputs."""
     env: dict = {}
 
@@ -279,12 +306,11 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
             if site is not None and site.id in taps:
                 for key, i in zip(site.records, site.recorded, strict=True):
                     if key not in records:
-                        e = exponent_of(invals[i])
-                        records[key] = (scaled(invals[i], e), e)
+                        records[key] = invals[i]
                 for (t, e), j in zip(taps[site.id], float_outputs(eqn), strict=True):
                     # (an output shared by the batch, not in `batched`, made each example's)
                     y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)
-                    outs[j] = tap(y, t, e)
+                    outs[j] = (tap_in_scan if site.depth else tap)(y, t, e)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x

@@ -69,11 +69,16 @@ def tapped_pass(one, flat: Flat, s: Settings):
         return jnp.sum(outs[0]), (outs, records)
 
     (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
-    # (the exponents come out as float32 gradients: integers, exact)
-    scale = lambda x, e: (_interpret.scaled(x, e), e)  # noqa: E731
+
+    def scale(x, axis, e=None):  # (the exponents of a tap outside scans: floats, exact)
+        e = _interpret.exponents_of(x, axis) if e is None else e.astype(jnp.int32)
+        return _interpret.scaled(x, e), e
+
     grads = {
-        i: tuple(scale(g, e.astype(jnp.int32)) for g, e in pairs) for i, pairs in grads.items()
+        i: tuple(scale(g, sites[i].depth, None if sites[i].depth else e) for g, e in pairs)
+        for i, pairs in grads.items()
     }
+    records = {k: scale(r, record_axes[k]) for k, r in records.items()}
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     grad_axes = {i: site.depth for i, site in sites.items()}
     tapped = _interpret.Tapped(
