@@ -5,6 +5,7 @@
     python benchmarks/profile/private_parts.py --grams [--batches 256]
     python benchmarks/profile/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/profile/private_parts.py --convnet [--batches 16 64] [--pairs 15]
+    python benchmarks/profile/private_parts.py --recurrent eqx-gru [--batches 64] [--pairs 15]
     python benchmarks/profile/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/profile/private_parts.py --flops [--mlp] [--batches 16 256]
     python benchmarks/profile/private_parts.py --memory [--mlp | --convnet] [--gpu-branches]
@@ -63,6 +64,9 @@ compiled for this machine (`private.peak_bytes`, as ``benchmarks/private.py`` me
 `lax.platform_dependent` choice made as on a GPU: what a GPU would run, compiled for this
 machine, an estimate of a GPU's step where none is lent (its memory is packed by the CPU's
 scheduler, not the GPU's).
+
+``--recurrent NAME`` does the same on a model of ``benchmarks/recurrent.py`` (``eqx-gru``,
+``eqx-lstm-lm``, ``flax-lstm``, ``jax-lstm``, ``eqx-convnet``; at batch 64 by default).
 
 ``--dtype bfloat16`` (or ``float16``) casts the model's parameters and floating-point inputs
 (timed, counted, sized or profiled; not with ``--grams`` or ``--products``): the ghost engine
@@ -385,6 +389,12 @@ def main(argv=None) -> list[dict]:
         "--convnet", action="store_true", help="the convnet in place of the transformer"
     )
     parser.add_argument(
+        "--recurrent",
+        choices=["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "eqx-convnet"],
+        default=None,
+        help="a model of benchmarks/recurrent.py in place of the transformer",
+    )
+    parser.add_argument(
         "--products", action="store_true", help="the MLP's first clipped-sum product, 3 ways"
     )
     parser.add_argument(
@@ -436,8 +446,10 @@ def main(argv=None) -> list[dict]:
         parser.error("--grams times the transformer's output layer: not with --mlp or --convnet")
     if args.products and (args.grams or args.mlp or args.convnet):
         parser.error("--products times the MLP's first layer: not with --grams, --mlp or --convnet")
-    if args.mlp and args.convnet:
-        parser.error("--mlp and --convnet each replace the transformer: one of them")
+    if sum(map(bool, (args.mlp, args.convnet, args.recurrent, args.grams, args.products))) > 1:
+        parser.error(
+            "--mlp, --convnet, --recurrent, --grams and --products each choose the model: one"
+        )
     pairs = args.pairs or (2 if args.quick else 3)
     if args.quick:
         shape, batches = models.TransformerShape(d=32, seq=8, vocab=64, blocks=2, heads=2), (8,)
@@ -459,6 +471,11 @@ def main(argv=None) -> list[dict]:
         loss, params = models.convnet_loss, models.convnet_params(conv)
         make_batch = functools.partial(models.convnet_batch, conv)
         batches = tuple(args.batches) if args.batches else (16, 64)
+    if args.recurrent:
+        import recurrent
+
+        loss, params, make_batch = recurrent.setups(recurrent.Shape())[args.recurrent]
+        batches = tuple(args.batches) if args.batches else (64,)
     params = models.cast(params, args.dtype)
     make_batch = _cast_batches(make_batch, args.dtype)
     print(
