@@ -97,23 +97,6 @@ def train(steps: int, private: bool, data):
     return params, history, seconds / max(steps - 1, 1)
 
 
-def check_against_vmap(params, data) -> float:
-    """The largest relative difference between the ghost clipped sum and the materialising
-    reference's, on one padded Poisson batch."""
-    inputs, targets, padding = dp.poisson_batch(
-        jax.random.key(123), data, EXPECTED_BATCH, PADDED_BATCH
-    )
-    reference = optclip.clipped_grad(
-        demo.loss_fn, l2_clip_norm=dp.CLIP, batch_argnums=(1, 2), method="vmap"
-    )
-    ghost, _ = jax.jit(private_grad)(params, inputs, targets, is_padding_example=padding)
-    want = jax.jit(reference)(params, inputs, targets, is_padding_example=padding)
-    return max(
-        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-        for a, b in zip(jax.tree.leaves(ghost), jax.tree.leaves(want))
-    )
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=600)
@@ -124,7 +107,7 @@ def main(argv=None):
     inputs, targets, _ = dp.poisson_batch(jax.random.key(0), data, EXPECTED_BATCH, PADDED_BATCH)
     print("Which parameters go ghost (optclip.ghost_report):")
     print(optclip.ghost_report(demo.loss_fn, params, inputs, targets, batch_argnums=(1, 2)))
-    difference = check_against_vmap(params, data)
+    difference = dp.check_against_vmap(params, data, demo.loss_fn, EXPECTED_BATCH, PADDED_BATCH)
     print(f"clipped sum vs method='vmap': max relative difference {difference:.1e}")
     print()
     runs = {"DP-SGD": train(args.steps, True, data), "non-private": train(args.steps, False, data)}
@@ -132,17 +115,7 @@ def main(argv=None):
     print(f"{'step':>5}  {'DP-SGD':>8}  {'clipped':>7}  {'non-private':>11}")
     for (s, loss, share), (_, base, _) in zip(runs["DP-SGD"][1], runs["non-private"][1]):
         print(f"{s:5d}  {loss:8.4f}  {share:7.0%}  {base:11.4f}")
-    private_s, plain_s = runs["DP-SGD"][2], runs["non-private"][2]
-    print(
-        f"time per step: DP-SGD {private_s * 1e3:.1f} ms, non-private {plain_s * 1e3:.1f} ms "
-        f"({private_s / plain_s:.1f}x; this machine, batches of {PADDED_BATCH})"
-    )
-    eps = dp.epsilon(args.steps, RATE)
-    spent = "install dp-accounting for epsilon" if eps is None else f"epsilon = {eps:.2f}"
-    print(
-        f"\nnoise multiplier {dp.SIGMA}, clip norm {dp.CLIP}, sampling rate {RATE:.4f}, "
-        f"{args.steps} steps: {spent} at delta = {dp.DELTA:g}"
-    )
+    dp.print_cost(runs, args.steps, RATE, PADDED_BATCH, digits=1)
     print(f"({time.perf_counter() - start:.0f} s)")
     return runs
 

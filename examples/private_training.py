@@ -170,16 +170,35 @@ def epsilon(steps: int, rate: float = EXPECTED_BATCH / TRAIN):
     return accountant.get_epsilon(DELTA)
 
 
-def check_against_vmap(params, data) -> float:
-    """The largest relative difference between the ghost clipped sum and the materialising
-    reference's, on one padded Poisson batch."""
-    tokens, labels, padding = poisson_batch(jax.random.key(123), data)
-    reference = optclip.clipped_grad(loss, l2_clip_norm=CLIP, batch_argnums=(1, 2), method="vmap")
-    ghost, _ = private_grad(params, tokens, labels, is_padding_example=padding)
-    want = reference(params, tokens, labels, is_padding_example=padding)
+def check_against_vmap(params, data, loss_fn=loss, expected=EXPECTED_BATCH, padded=PADDED_BATCH):
+    """The largest relative difference between the ghost clipped sum of `loss_fn` and the
+    materialising reference's (``method="vmap"``), jitted, on one padded Poisson batch."""
+    *batch, padding = poisson_batch(jax.random.key(123), data, expected, padded)
+    ways = [
+        optclip.clipped_grad(loss_fn, l2_clip_norm=CLIP, batch_argnums=(1, 2), method=method)
+        for method in ("auto", "vmap")
+    ]
+    ghost, want = (jax.jit(f)(params, *batch, is_padding_example=padding) for f in ways)
     return max(
         float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
         for a, b in zip(jax.tree.leaves(ghost), jax.tree.leaves(want))
+    )
+
+
+def print_cost(runs, steps, rate=EXPECTED_BATCH / TRAIN, padded=PADDED_BATCH, digits=2):
+    """The time per step of the two `runs` (``{"DP-SGD": ..., "non-private": ...}``, each
+    `train`'s ``(params, history, seconds per step)``) and the privacy spent."""
+    private_s, plain_s = runs["DP-SGD"][2], runs["non-private"][2]
+    print(
+        f"time per step: DP-SGD {private_s * 1e3:.{digits}f} ms, "
+        f"non-private {plain_s * 1e3:.{digits}f} ms "
+        f"({private_s / plain_s:.1f}x; this machine, batches of {padded})"
+    )
+    eps = epsilon(steps, rate)
+    spent = "install dp-accounting for epsilon" if eps is None else f"epsilon = {eps:.2f}"
+    print(
+        f"\nnoise multiplier {SIGMA}, clip norm {CLIP}, sampling rate {rate:.4f}, "
+        f"{steps} steps: {spent} at delta = {DELTA:g}"
     )
 
 
@@ -203,17 +222,7 @@ def main(argv=None):
     print(f"{'step':>5}  {'DP-SGD acc':>10}  {'clipped':>7}  {'non-private acc':>15}")
     for (s, acc, share), (_, base, _) in zip(runs["DP-SGD"][1], runs["non-private"][1]):
         print(f"{s:5d}  {acc:10.3f}  {share:7.0%}  {base:15.3f}")
-    private_s, plain_s = runs["DP-SGD"][2], runs["non-private"][2]
-    print(
-        f"time per step: DP-SGD {private_s * 1e3:.2f} ms, non-private {plain_s * 1e3:.2f} ms "
-        f"({private_s / plain_s:.1f}x; this machine, batches of {PADDED_BATCH})"
-    )
-    eps = epsilon(args.steps)
-    spent = "install dp-accounting for epsilon" if eps is None else f"epsilon = {eps:.2f}"
-    print(
-        f"\nnoise multiplier {SIGMA}, clip norm {CLIP}, sampling rate "
-        f"{EXPECTED_BATCH / TRAIN:.4f}, {args.steps} steps: {spent} at delta = {DELTA:g}"
-    )
+    print_cost(runs, args.steps)
     print(f"({time.perf_counter() - start:.0f} s)")
     return runs
 

@@ -239,13 +239,21 @@ def test_a_part_at_a_start_the_loss_computes_from_the_data_is_materialised():
     assert leaf.mode == "materialised" and "dynamic_slice" in leaf.reason, leaf
 
 
-@pytest.mark.parametrize("mode", ["jit", "eager"])
-def test_added_positions_exact_with_a_nan_example_and_squares_that_overflow(mode):
-    """Positions sliced and added, their output gradients near 1e20 (every square overflows
-    float32) in one part and near 1e-20 (every square underflows) in the other; one example
-    is not finite: its norm is NaN and it is dropped (``nan_safe``); the others' norms and
-    clipped sums are the float64 reference's."""
-    rng = np.random.default_rng(6)
+def split_at_extreme_magnitudes(rng):
+    """A weight split in two, its inputs at 1e20: one part's per-example gradients are near
+    1e20, the other's near 1."""
+    params = _params(rng, w=(4, 6))
+
+    def loss(p, x):
+        a, b = jnp.split(p["w"], [2], axis=1)
+        return jnp.sum(x @ a) + jnp.sum(jnp.sin(x @ b * 1e-20))
+
+    return loss, params, jnp.asarray(rng.normal(size=(5, 3, 4)) * 1e20, jnp.float32)
+
+
+def positions_added_at_extreme_magnitudes(rng):
+    """Positions sliced and added, their output gradients near 1e20 in one part and near
+    1e-20 (every square underflows) in the other."""
     params = _params(rng, pos=(8, 4))
 
     def loss(p, x):
@@ -253,37 +261,26 @@ def test_added_positions_exact_with_a_nan_example_and_squares_that_overflow(mode
         big = jnp.sum(jnp.sin(x + p["pos"][:t])) * 1e20
         return big + jnp.sum(jnp.cos(x - p["pos"][4 : 4 + t])) * 1e-20
 
-    x = jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.float32)
-    bad = x.at[3, 1, 2].set(jnp.nan)
-    kept = np.delete(np.arange(x.shape[0]), 3)
-    (leaf,) = optclip.ghost_report(loss, params, x).values()
-    assert leaf.reason == "ghost: 2 use(s), added, 2 disjoint parts", leaf
-    grads, aux = run(step(loss, 1.0), mode)(params, bad)
-    norms, sums = gm.reference(loss, params, x[kept], 1.0)
-    assert np.isnan(aux.grad_norms[3])
-    assert np.all(norms > 1e19)
-    np.testing.assert_allclose(np.asarray(aux.grad_norms)[kept], norms, rtol=RTOL)
-    assert_tree_close(grads, sums)
+    return loss, params, jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.float32)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
-def test_split_weight_exact_with_a_nan_example_and_squares_that_overflow(mode):
-    """A weight split in two, its inputs at 1e20: one part's per-example gradients are near
-    1e20 (every square overflows float32), the other's near 1. One example is not finite:
-    its norm is NaN and it is dropped (``nan_safe``); the others' norms and clipped sums are
-    the float64 reference's."""
-    rng = np.random.default_rng(4)
-    params = _params(rng, w=(4, 6))
-
-    def loss(p, x):
-        a, b = jnp.split(p["w"], [2], axis=1)
-        return jnp.sum(x @ a) + jnp.sum(jnp.sin(x @ b * 1e-20))
-
-    x = jnp.asarray(rng.normal(size=(5, 3, 4)) * 1e20, jnp.float32)
+@pytest.mark.parametrize(
+    ("model", "reason"),
+    [
+        (split_at_extreme_magnitudes, "ghost: 2 use(s), dense, 2 disjoint parts"),
+        (positions_added_at_extreme_magnitudes, "ghost: 2 use(s), added, 2 disjoint parts"),
+    ],
+)
+def test_parts_exact_with_a_nan_example_and_squares_that_overflow(model, reason, mode):
+    """Per-example gradients near 1e20 in one part (every square overflows float32); one
+    example not finite: its norm is NaN and it is dropped (``nan_safe``); the others' norms
+    and clipped sums are the float64 reference's."""
+    loss, params, x = model(np.random.default_rng(4))
     bad = x.at[1, 0, 0].set(jnp.nan)
     kept = np.delete(np.arange(x.shape[0]), 1)
     (leaf,) = optclip.ghost_report(loss, params, x).values()
-    assert leaf.mode == "ghost", leaf
+    assert leaf.reason == reason, leaf
     grads, aux = run(step(loss, 1.0), mode)(params, bad)
     norms, sums = gm.reference(loss, params, x[kept], 1.0)
     assert np.isnan(aux.grad_norms[1])
