@@ -260,7 +260,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     next to the non-private step; --grams: the output layer's Gram three ways, the same
     values; --mlp: the same parts on the MLP (not with --grams), two of them by --variants;
     --products: the MLP's first clipped-sum product three ways (the script checks they
-    agree)."""
+    agree); --recurrent: a model of benchmarks/recurrent.py in its place."""
     rows = run_private(tmp_path, "--quick", script="profile/private_parts.py")
     assert [r["variant"] for r in rows] == [
         "jax.grad (non-private)",
@@ -302,9 +302,20 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         ("convolutions' sums together", 2),
     ]
     assert all(r["peak_bytes"] > 0 for r in rows)
+    rows = run_private(
+        tmp_path,
+        *("--recurrent", "jax-lstm", "--memory", "--batches", "2", "--variants", "ghost"),
+        script="profile/private_parts.py",
+    )
+    assert [(r["variant"], r["batch"]) for r in rows] == [
+        ("jax.grad (non-private)", 2),
+        ("ghost", 2),
+    ]
     refused("--variants", "norms", why="argument --variants: invalid choice: 'norms'")
     refused("--mlp", "--grams", why="--grams times the transformer's output layer")
-    refused("--mlp", "--convnet", why="--mlp and --convnet each replace the transformer")
+    why = "--mlp, --convnet, --recurrent, --grams and --products each choose the model: one"
+    refused("--mlp", "--convnet", why=why)
+    refused("--recurrent", "jax-lstm", "--products", why=why)
     rows = run_private(
         tmp_path, "--quick", "--products", "--batches", "8", script="profile/private_parts.py"
     )
