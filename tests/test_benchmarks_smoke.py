@@ -279,38 +279,20 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     rows = run_private(tmp_path, "--quick", "--grams", script="profile/private_parts.py")
     ways = ["one batched product", "two halves", "one example at a time"]
     assert [r["way"] for r in rows] == ways
-    rows = run_private(
-        tmp_path,
-        *("--mlp", "--batches", "8", "--pairs", "1"),
-        *("--variants", "ghost", "norms one example at a time"),
-        script="profile/private_parts.py",
-    )
-    assert [(r["variant"], r["batch"]) for r in rows] == [
-        ("jax.grad (non-private)", 8),
-        ("ghost", 8),
-        ("norms one example at a time", 8),
+    runs = [  # (the model's arguments, the batch, the variants beside the non-private step)
+        (("--mlp", "--pairs", "1"), 8, ["ghost", "norms one example at a time"]),
+        (("--convnet", "--memory"), 2, ["ghost", "convolutions' sums together"]),
+        (("--recurrent", "jax-lstm", "--memory"), 2, ["ghost"]),
     ]
-    rows = run_private(
-        tmp_path,
-        *("--convnet", "--memory", "--batches", "2"),
-        *("--variants", "ghost", "convolutions' sums together"),
-        script="profile/private_parts.py",
-    )
-    assert [(r["variant"], r["batch"]) for r in rows] == [
-        ("jax.grad (non-private)", 2),
-        ("ghost", 2),
-        ("convolutions' sums together", 2),
-    ]
-    assert all(r["peak_bytes"] > 0 for r in rows)
-    rows = run_private(
-        tmp_path,
-        *("--recurrent", "jax-lstm", "--memory", "--batches", "2", "--variants", "ghost"),
-        script="profile/private_parts.py",
-    )
-    assert [(r["variant"], r["batch"]) for r in rows] == [
-        ("jax.grad (non-private)", 2),
-        ("ghost", 2),
-    ]
+    for args, batch, variants in runs:
+        rows = run_private(
+            tmp_path,
+            *(*args, "--batches", str(batch), "--variants", *variants),
+            script="profile/private_parts.py",
+        )
+        want = [("jax.grad (non-private)", batch), *((v, batch) for v in variants)]
+        assert [(r["variant"], r["batch"]) for r in rows] == want
+        assert "--memory" not in args or all(r["peak_bytes"] > 0 for r in rows)
     refused("--variants", "norms", why="argument --variants: invalid choice: 'norms'")
     refused("--mlp", "--grams", why="--grams times the transformer's output layer")
     why = "--mlp, --convnet, --recurrent, --grams and --products each choose the model: one"
