@@ -32,6 +32,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
         "shard_map-none",
         "shard_map-ord",
         "shard_map-optax-differs",
+        "shard_map-vjp",
     ),
     "shard_map-lowp": ("shard_map-lowp", "shard_map-lowp-f16"),
     "shard_map-overflow": (

@@ -277,6 +277,36 @@ def shard_map_clip_checks(name, tree, specs, axis_name, mesh, max_norm=1.0, rtol
     check(f"{name}/global_clip_step/params", new_params, want_params, tol)
 
 
+def shard_map_clip_vjp_checks(tree, specs, axis_name, mesh):
+    """The VJP of clip_by_global_norm over leaves split across devices (the norm's derivative
+    all-reduced), at ordinary magnitudes and where ``x . g`` is below float32's range."""
+    rng = np.random.default_rng(5)
+    cotangent = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), tree)
+    cases = {"ordinary": (1.0, 1.0, 0.5), "tiny": (1e-19, 1e-27, 1e-20)}
+    for case, (x_size, g_size, c) in cases.items():
+        x = jax.tree.map(lambda a, k=x_size: (a * k).astype(np.float32), tree)
+        g = jax.tree.map(lambda a, k=g_size: (a * k).astype(np.float32), cotangent)
+        error = _clip_vjp_error(x, g, float(np.float32(c)), specs, axis_name, mesh)
+        record(f"shard_map-vjp/{case}", error <= RTOL, error)
+
+
+def _clip_vjp_error(x, g, c, specs, axis_name, mesh) -> float:
+    """The largest error of the VJP inside shard_map against the float64 ``s (g - x (x.g) /
+    n**2)``, relative to its largest element (its terms cancel)."""
+
+    def pullback(x, g):
+        _, vjp = jax.vjp(lambda x: optclip.clip_by_global_norm(x, c, axis_name=axis_name)[0], x)
+        return vjp(g)[0]
+
+    got = smap(pullback, mesh, (specs, specs), specs)(put(x, specs, mesh), put(g, specs, mesh))
+    x64, g64 = (jax.tree.leaves(jax.tree.map(reference.as_f64, t)) for t in (x, g))
+    n = ref_norm(x64)
+    dot = sum(float(np.vdot(a, b)) for a, b in zip(x64, g64)) / n**2
+    want = np.concatenate([(min(1.0, c / n) * (b - a * dot)).ravel() for a, b in zip(x64, g64)])
+    got = np.concatenate([reference.as_f64(a).ravel() for a in jax.tree.leaves(got)])
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
 def spec_names(spec):
     """The axis names of a `PartitionSpec` as `axis_name` takes them: None, a name or a tuple."""
     axes = tuple(a for e in spec if e is not None for a in ((e,) if isinstance(e, str) else e))
@@ -295,6 +325,7 @@ def shard_map_checks():
     }
     specs = {"w": P("data"), "b": P("data")}
     shard_map_clip_checks("shard_map-str", tree, specs, "data", mesh_1d)
+    shard_map_clip_vjp_checks(tree, specs, "data", mesh_1d)
 
     # A tuple of names: every leaf split over both axes.
     specs = {"w": P(("data", "model")), "b": P(("data", "model"))}

@@ -349,5 +349,4 @@ def clip_by_global_norm(tree, clip_norm, use_norm=None, *, axis_name=None):
     else:
         _checks.check_scalar(use_norm, "use_norm", allow_nan=True)
         norm = jnp.asarray(use_norm).astype(dtype)
-    scale, small = _scale.clip_scale_parts(norm, _scale.threshold_as(clip_norm, norm.dtype))
-    return _scale.scale_tree(tree, scale, small), norm
+    return _scale.clip_tree(tree, norm, _scale.threshold_as(clip_norm, norm.dtype)), norm

@@ -67,10 +67,9 @@ def clip_to_threshold(updates, norm, threshold, nonfinite: str, what: str, inver
     unscaled norm: every element is multiplied once, by the scale times `inverse_scale`."""
     if nonfinite == "raise":
         raise_if_nonfinite(norm, updates, what)
-    scale, small = _scale.clip_scale_parts(norm, _scale.threshold_as(threshold, norm.dtype))
-    factor = scale if inverse_scale is None else scale * inverse_scale.astype(scale.dtype)
-    updates = _scale.scale_tree(updates, factor, small)
-    scale = scale * small
+    threshold = _scale.threshold_as(threshold, norm.dtype)
+    updates = _scale.clip_tree(updates, norm, threshold, inverse_scale)
+    scale = _scale.clip_scale(norm, threshold)
     if nonfinite == "zero":
         finite = jnp.isfinite(norm)
         updates = zero_unless(finite, updates)

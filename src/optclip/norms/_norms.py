@@ -288,7 +288,8 @@ def _norms_for_order(pieces, views, p, dtype):
         return [view.expand(values, pieces[i], a) for view in views]
 
     def largest(arrays):
-        magnitudes = [_reductions.part_magnitude(a) for a in arrays]
+        # (no gradient: only the fallback's scale comes from it, and `pmax` has no derivative)
+        magnitudes = [_reductions.part_magnitude(lax.stop_gradient(a)) for a in arrays]
         return _reduce_buckets(pieces, views, [magnitudes] * len(views), max_over, "max", dtype)
 
     return _reductions.norm_with_rules(
@@ -298,9 +299,8 @@ def _norms_for_order(pieces, views, p, dtype):
         largest=largest,
         expand=expand,
         needs_rescale=lambda total: _needs_rescale_views(total, p, views, counts),
-        # Inside shard_map/pmap (collectives) or for a traced order: JAX's own autodiff and
-        # batching of the `cond` (correct; the fallback's scale carries no gradient).
-        rules=_reductions.is_static(p) and not any(piece.axes for piece in pieces),
+        rules=_reductions.is_static(p),
+        collectives=any(piece.axes for piece in pieces),
         acc=dtype,
     )
 

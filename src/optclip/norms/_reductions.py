@@ -227,8 +227,46 @@ def _safe_norm(total, p, largest: Callable, rescaled_total: Callable, needs):
     return lax.cond(needs_rescale, rescaled, plain)
 
 
+def _batched(compute, totals, largest, needs_rescale, p):
+    """`compute` with `norm_with_rules`' batching rule: one `cond` for the whole batch."""
+
+    @jax.custom_batching.custom_vmap
+    def batched(arrays):
+        return compute(arrays)
+
+    @batched.def_vmap
+    def batched_rule(axis_size, in_batched, arrays):
+        del axis_size
+        flags = in_batched[0]
+        if not any(flags):
+            return compute(arrays), False
+        in_axes = ([0 if flag else None for flag in flags],)
+        total = jax.vmap(totals, in_axes=in_axes)(arrays)
+        plain = root(total, p)
+        needs = jax.vmap(needs_rescale)(total)
+
+        def with_fallback():
+            rescaled = jax.vmap(
+                lambda a: _rescaled_norm(lambda: largest(a), lambda inv: totals(a, inv), p),
+                in_axes=in_axes,
+            )(arrays)
+            return jnp.where(needs, rescaled.astype(plain.dtype), plain)
+
+        return lax.cond(jnp.any(needs), with_fallback, lambda: plain), True
+
+    return batched
+
+
 def norm_with_rules(
-    arrays, p, reduce, largest, expand, needs_rescale, rules: bool = True, acc=None
+    arrays,
+    p,
+    reduce,
+    largest,
+    expand,
+    needs_rescale,
+    rules: bool = True,
+    collectives: bool = False,
+    acc=None,
 ):
     """The `p`-norms of `arrays` (a list), with a batching rule and a differentiation rule.
 
@@ -246,8 +284,9 @@ def norm_with_rules(
       a tree mixing float64 and float32 leaves accumulates all of them in float64, so that a
       float64 scale of the fallback is never cast to float32 (where ``2**665`` is inf).
 
-    The norms themselves are `_safe_norm`'s. Two custom rules (with `rules`, for a static order
-    and no collectives):
+    The norms themselves are `_safe_norm`'s. Two custom rules (with `rules`, for a static order;
+    the batching rule only without `collectives`, the all-reduces inside `shard_map` or `pmap`
+    that `reduce` ends with):
 
     * `vmap` (per-example clipping): a `lax.cond` with a batched predicate would become a
       `select` running both branches for every example; the rule keeps one `cond`, on whether
@@ -278,31 +317,12 @@ def norm_with_rules(
         )
 
     if not rules or not any(isinstance(a, jax.core.Tracer) for a in arrays):
-        return compute(arrays)  # eager (no transformation to write rules for), or collectives
+        return compute(arrays)  # eager (no transformation to write rules for), or traced order
 
-    @jax.custom_batching.custom_vmap
-    def batched(arrays):
-        return compute(arrays)
-
-    @batched.def_vmap
-    def batched_rule(axis_size, in_batched, arrays):
-        del axis_size
-        flags = in_batched[0]
-        if not any(flags):
-            return compute(arrays), False
-        in_axes = ([0 if flag else None for flag in flags],)
-        total = jax.vmap(totals, in_axes=in_axes)(arrays)
-        plain = root(total, p)
-        needs = jax.vmap(needs_rescale)(total)
-
-        def with_fallback():
-            rescaled = jax.vmap(
-                lambda a: _rescaled_norm(lambda: largest(a), lambda inv: totals(a, inv), p),
-                in_axes=in_axes,
-            )(arrays)
-            return jnp.where(needs, rescaled.astype(plain.dtype), plain)
-
-        return lax.cond(jnp.any(needs), with_fallback, lambda: plain), True
+    if collectives:  # (no batching rule: inside shard_map the arrays are a device's pieces)
+        batched = compute
+    else:
+        batched = _batched(compute, totals, largest, needs_rescale, p)
 
     @jax.custom_jvp
     def norm(arrays):
