@@ -39,6 +39,7 @@ from hypothesis.extra import numpy as hnp
 from reference import as_f64, ref_global_norm
 
 import optclip
+from optclip.norms import _scale
 
 FAST_EXAMPLES = 6
 # Hypothesis examples per property test: the fast tier runs the first, the slow tier the other
@@ -850,6 +851,31 @@ def test_clip_vjp_where_x_dot_g_flushes(clip):
     g = np.full(5, 5.9149257e-28, np.float32)
     x = np.asarray([0.0, 0.0, 0.0, 0.0, 1e-19], np.float32)
     _check_clip_vjp(ClipVjpCase(clip, x, 9.999999682655225e-21, g))
+
+
+@pytest.mark.parametrize("c", [1.0, 10.0], ids=["over", "under"])
+@pytest.mark.parametrize("mode", ["forward", "reverse"])
+def test_the_clips_derivative_with_a_loss_scale_factor(c, mode):
+    """The clip's own rule (`_scale.clip_leaves`) in every argument, the loss scale's inverse
+    included (``x * k * c / max(n, c)``, the norm computed from `x`), against float64:
+    ``k s (I - u u^T)`` in `x`, ``k u`` in the threshold and ``s x`` in the factor."""
+    x = np.asarray([3.0, -4.0, 1.0, 0.5], np.float32)
+    k = 0.5
+
+    def clip(x, c, k):
+        return _scale.clip_leaves([x], optclip.global_norm(x), c, k)[0]
+
+    jacobian = jax.jacfwd if mode == "forward" else jax.jacrev
+    dx, dc, dk = jacobian(clip, argnums=(0, 1, 2))(x, np.float32(c), np.float32(k))
+    x64 = as_f64(x)
+    n = float(np.linalg.norm(x64))
+    u = x64 / n
+    over = n > c
+    s = c / n if over else 1.0
+    want_dx = k * s * (np.eye(4) - np.outer(u, u)) if over else k * np.eye(4)
+    np.testing.assert_allclose(dx, want_dx, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dc, k * u if over else np.zeros(4), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(dk, s * x64, rtol=1e-6)
 
 
 class NormVjpCase(NamedTuple):
