@@ -60,6 +60,14 @@ DEFECTS: list[Defect] = [
         ("tests/test_functional.py", "tests/test_transforms.py"),
     ),
     Defect(
+        "clip-vjp-without-projection",
+        "src/optclip/norms/_scale.py",
+        "            step = step - unit * along.astype(work)\n",
+        "            step = step\n",
+        "the clip's derivative without its projection term (the norm's dependence on x lost)",
+        ("tests/test_exactness.py",),
+    ),
+    Defect(
         "value-clip-bounds-swapped",
         "src/optclip/clips/_functional.py",
         "jnp.clip(x, lo, hi)",

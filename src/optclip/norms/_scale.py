@@ -143,10 +143,10 @@ def _clip_leaves_jvp(primals, tangents):
     unscaled, small = clip_scale_parts(norm, threshold)
     scale = unscaled if factor is None else unscaled * factor.astype(unscaled.dtype)
     out = [apply_scale(x, scale, small) for x in leaves]
-    over = norm > threshold
-    denominator = jnp.where(over, norm, 1)
-    along = None if _zero(dnorm) else jnp.where(over, dnorm, 0)
-    across = None if _zero(dthreshold) else jnp.where(over, dthreshold, 0)
+    clipped = norm > threshold
+    denominator = jnp.where(clipped, norm, 1)
+    along = None if _zero(dnorm) else jnp.where(clipped, dnorm, 0)
+    across = None if _zero(dthreshold) else jnp.where(clipped, dthreshold, 0)
     if factor is not None and across is not None:
         across = across * factor.astype(across.dtype)
     dout = []
