@@ -21,6 +21,10 @@ process) on the models users write with Equinox, Flax and plain JAX, with random
 * ``jax-lstm``: ``eqx-lstm-lm`` in plain JAX, its LSTM written by hand with one fused gate
   weight (and bias) split into the 4 gates' with ``jnp.split`` at every step, as dm-haiku's
   ``hk.GRU`` splits its weights.
+* ``hk-deeprnn``: dm-haiku's ``hk.DeepRNN([hk.LSTM(128), hk.GRU(128)])`` language model
+  under ``hk.dynamic_unroll``, between an ``hk.Embed`` (vocabulary 256, width 64) and an
+  ``hk.Linear`` head to the vocabulary (``hk.GRU`` splits its weights into the gates');
+  next-token cross-entropy.
 * ``eqx-convnet``: ``eqx.nn.Conv2d`` 3x3 stem + ``eqx.nn.GroupNorm`` (8 groups), 2 residual
   blocks of a depthwise ``Conv2d(groups=channels)`` 3x3, a ``GroupNorm`` and a pointwise 1x1
   ``Conv2d``, mean-pooled into a linear head to 10; 32x32x3 images, 32 channels.
@@ -47,7 +51,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models  # noqa: E402
 from private import add_arguments, announce, cells, load_rows, measure, save_run, table, where  # noqa: E402
 
-MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "eqx-convnet"]
+MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "hk-deeprnn", "eqx-convnet"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,6 +230,28 @@ def jax_lstm(shape: Shape, seed: int = 0):
     return loss, params
 
 
+def haiku_deeprnn(shape: Shape, key):
+    """``(loss, params)``: dm-haiku's ``DeepRNN`` of an ``LSTM`` and a ``GRU`` language
+    model, one example's ids in (``hk.dynamic_unroll`` scans the steps), ``vmap``-ed over
+    the batch."""
+    import haiku as hk
+
+    def logits(ids):  # (T,) -> (T, vocab)
+        core = hk.DeepRNN([hk.LSTM(shape.hidden), hk.GRU(shape.hidden)])
+        x = hk.Embed(shape.vocab, shape.width)(ids)
+        hs, _ = hk.dynamic_unroll(core, x, core.initial_state(None))
+        return hk.Linear(shape.vocab)(hs)
+
+    model = hk.without_apply_rng(hk.transform(logits))
+    params = model.init(key, jnp.zeros((shape.seq,), jnp.int32))
+
+    def loss(p, ids):  # ids: (batch, T + 1)
+        inputs, labels = ids[:, :-1], ids[:, 1:]
+        return cross_entropy(jax.vmap(lambda i: model.apply(p, i))(inputs), labels)
+
+    return loss, params
+
+
 def setups(shape: Shape) -> dict:
     """``name -> (loss, params, batch(size))``."""
     key = jax.random.key(0)
@@ -240,6 +266,7 @@ def setups(shape: Shape) -> dict:
         ),
         "flax-lstm": (*flax_lstm(shape, key), lambda b: features(shape, b)),
         "jax-lstm": (*jax_lstm(shape), lambda b: tokens(shape, b)),
+        "hk-deeprnn": (*haiku_deeprnn(shape, key), lambda b: tokens(shape, b)),
         "eqx-convnet": (*equinox_loss(GroupNormConvNet(shape, key)), lambda b: images(shape, b)),
     }
 

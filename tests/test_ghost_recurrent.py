@@ -1,0 +1,233 @@
+"""`clipped_grad` on recurrent cells as Equinox, Flax Linen and dm-haiku write them, and as a
+plain `lax.scan`: Equinox's `GRUCell` and `LSTMCell`, Linen's ``nn.RNN`` of an `LSTMCell` and
+of a `GRUCell`, Haiku's ``DeepRNN`` of an `LSTM` and a `GRU` under ``hk.dynamic_unroll`` (its
+GRU splits each weight into the gates'), and an LSTM whose one fused gate weight is split at
+every step. Each model's weights go ghost; its norms and clipped sum equal the float64
+reference with some examples clipped and some not, a padding example, a NaN example, and the
+loss scaled until the squares of its gradients overflow or flush; one jitted program per
+model serves every check, and one eager call per model runs in the slow tier."""
+
+import functools
+
+import equinox as eqx
+import ghost_models as gm
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import run
+
+import optclip
+
+F, H, T, B, OUT = 3, 4, 5, 5, 2  # (input features, hidden units, steps, examples, outputs)
+
+
+def _drawn(rng, params):
+    """`params` (abstract, `jax.ShapeDtypeStruct` leaves) with every floating leaf drawn by
+    NumPy: about ``1/sqrt(fan-in)`` for a matrix, about 0 for a bias (noise of 0.3). Other
+    leaves are left as they are."""
+
+    def draw(leaf):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            return leaf
+        scale = 1 / np.sqrt(min(leaf.shape)) if len(leaf.shape) > 1 else 0.3
+        return jnp.asarray(scale * rng.normal(size=leaf.shape), jnp.float32)
+
+    return jax.tree.map(draw, params)
+
+
+def _head_loss(outputs):
+    """A loss of every step's (or the last step's) outputs: not a sum of the outputs alone,
+    so that every gate's gradient differs from step to step."""
+    return jnp.sum(jnp.sin(outputs) + 0.5 * outputs**2)
+
+
+def equinox_model(cell_type):
+    """An Equinox cell (`eqx.nn.GRUCell` or `eqx.nn.LSTMCell`) under `lax.scan` over one
+    example's steps, a `eqx.nn.Linear` head on every step's hidden state; the model vmapped
+    over the size-1 batch axis."""
+
+    class Model(eqx.Module):
+        cell: eqx.Module
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.cell = cell_type(F, H, key=k1)
+            self.head = eqx.nn.Linear(H, OUT, key=k2)
+
+        def __call__(self, xs):  # (T, F) -> (T, OUT)
+            zeros = jnp.zeros(H, xs.dtype)
+            lstm = isinstance(self.cell, eqx.nn.LSTMCell)
+
+            def step(state, x):
+                state = self.cell(x, state)
+                return state, state[0] if lstm else state
+
+            _, hs = jax.lax.scan(step, (zeros, zeros) if lstm else zeros, xs)
+            return jax.vmap(self.head)(hs)
+
+    def build(rng):
+        model = _drawn(rng, eqx.filter_eval_shape(Model, jax.random.key(0)))
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def loss(p, x):
+            return _head_loss(jax.vmap(eqx.combine(p, static))(x))
+
+        return loss, params
+
+    return build
+
+
+def flax_model(cell_name):
+    """Linen's ``nn.RNN`` of ``nn.LSTMCell`` or ``nn.GRUCell`` (a lifted `scan`) and a
+    ``nn.Dense`` head, applied to the example as a batch of one."""
+
+    def build(rng):
+        import flax.linen as nn
+
+        class Model(nn.Module):
+            dtype: jnp.dtype = jnp.float32  # (the carry's: float64 in the reference)
+
+            @nn.compact
+            def __call__(self, x):  # (1, T, F) -> (1, T, OUT)
+                cell = getattr(nn, cell_name)(H, param_dtype=self.dtype)
+                return nn.Dense(OUT)(nn.RNN(cell)(x))
+
+        shapes = jax.eval_shape(Model().init, jax.random.key(0), jnp.zeros((1, T, F)))
+
+        def loss(p, x):
+            return _head_loss(Model(x.dtype).apply({"params": p}, x))
+
+        return loss, _drawn(rng, shapes["params"])
+
+    return build
+
+
+def haiku_model(rng):
+    """dm-haiku's ``hk.DeepRNN([hk.LSTM(H), hk.GRU(H)])`` under ``hk.dynamic_unroll`` and an
+    ``hk.Linear`` head, on one example's steps (vmapped over the size-1 batch axis)."""
+    import haiku as hk
+
+    def outputs(xs):  # (T, F) -> (T, OUT)
+        core = hk.DeepRNN([hk.LSTM(H), hk.GRU(H)])
+        hs, _ = hk.dynamic_unroll(core, xs, core.initial_state(None))
+        return hk.Linear(OUT)(hs)
+
+    model = hk.without_apply_rng(hk.transform(outputs))
+    shapes = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((T, F)))
+
+    def loss(p, x):
+        return _head_loss(jax.vmap(lambda xs: model.apply(p, xs))(x))
+
+    return loss, _drawn(rng, shapes)
+
+
+def fused_lstm(rng):
+    """An LSTM in plain JAX: one fused ``(F + H, 4 H)`` gate weight and one bias, split into
+    the four gates' with `jnp.split` inside the scanned step."""
+    params = _drawn(rng, {"gates": jnp.zeros((F + H, 4 * H)), "bias": jnp.zeros(4 * H)})
+    params["head"] = _drawn(rng, jnp.zeros((H, OUT)))
+
+    def loss(p, x):  # x: (1, T, F)
+        def step(state, xt):
+            hidden, cell = state
+            ws, bs = jnp.split(p["gates"], 4, axis=1), jnp.split(p["bias"], 4)
+            xh = jnp.concatenate([xt, hidden], axis=-1)
+            i, f, g, o = (xh @ w + b for w, b in zip(ws, bs))
+            cell = jax.nn.sigmoid(f) * cell + jax.nn.sigmoid(i) * jnp.tanh(g)
+            hidden = jax.nn.sigmoid(o) * jnp.tanh(cell)
+            return (hidden, cell), hidden
+
+        zeros = jnp.zeros((x.shape[0], H), x.dtype)
+        _, hs = jax.lax.scan(step, (zeros, zeros), jnp.swapaxes(x, 0, 1))
+        return _head_loss(hs @ p["head"])
+
+    return loss, params
+
+
+MODELS = {
+    "equinox GRUCell": equinox_model(eqx.nn.GRUCell),
+    "equinox LSTMCell": equinox_model(eqx.nn.LSTMCell),
+    "flax nn.RNN(LSTMCell)": flax_model("LSTMCell"),
+    "flax nn.RNN(GRUCell)": flax_model("GRUCell"),
+    "haiku DeepRNN(LSTM, GRU)": haiku_model,
+    "lax.scan LSTM, fused gates split": fused_lstm,
+}
+# (The fused LSTM's split gates are in the fast tier's `test_ghost_parts.py` too.)
+FAST = [
+    n if n != "lax.scan LSTM, fused gates split" else pytest.param(n, marks=pytest.mark.slow)
+    for n in MODELS
+]
+
+
+@functools.cache
+def built(name):
+    """`MODELS[name]`'s loss, parameters, batch (`B` examples of `T` steps) and float64
+    per-example gradients: built once for every test of the model."""
+    rng = np.random.default_rng(7)
+    loss, params = MODELS[name](rng)
+    x = rng.normal(size=(B, T, F)).astype(np.float32)
+    return loss, params, x, gm.per_example_grads(loss, params, x)
+
+
+def _step(loss, clip, mode):
+    """``step(params, x, magnitude, padding)``: `clipped_grad`'s sums and norms of the loss
+    times `magnitude` (an argument: one program for every magnitude and batch)."""
+
+    def step(params, x, magnitude, padding):
+        scaled = lambda p, x: loss(p, x) * magnitude  # noqa: E731
+        g = optclip.clipped_grad(scaled, l2_clip_norm=clip, return_grad_norms=True)
+        return g(params, x, is_padding_example=padding)
+
+    return run(step, mode)
+
+
+def _check(result, grads64, clip, **reference):
+    norms, sums = gm.reference_from(grads64, clip, **reference)
+    np.testing.assert_allclose(np.asarray(result[1].grad_norms), norms, rtol=gm.RTOL)
+    gm.assert_tree_close(result[0], sums)
+
+
+def _threshold(grads64):
+    """A threshold between the examples' norms: some clipped, some not."""
+    return float(np.median(gm.reference_from(grads64, 1.0)[0]))
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", FAST)
+def test_recurrent_cells_go_ghost_and_match_the_float64_reference(name):
+    loss, params, x, grads64 = built(name)
+    report = optclip.ghost_report(loss, params, x)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    shapes = [leaf.shape for leaf in jax.tree.leaves(params)]
+    for path, shape in zip(paths, shapes, strict=True):  # (every weight; biases may not)
+        if len(shape) == 2:
+            assert report[path].mode == "ghost", (path, report[path])
+    clip = _threshold(grads64)
+    step = _step(loss, clip, "jit")
+    none = np.zeros(B, bool)
+    padding = none.copy()
+    padding[2] = True
+    result = step(params, x, np.float32(1), padding)
+    norms = gm.reference_from(grads64, clip)[0]
+    assert (norms > clip).any() and (norms < clip).any(), norms
+    _check(result, grads64, clip, padding=padding)
+    for magnitude in (1e22, 1e-24):  # (the squares of its gradients overflow; flush)
+        _check(step(params, x, np.float32(magnitude), none), grads64, clip, magnitude=magnitude)
+    bad = x.copy()
+    bad[1, T // 2, 0] = np.nan  # (one step of one example: the NaN reaches the later steps)
+    grads, aux = step(params, bad, np.float32(1), none)
+    assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
+    _, sums = gm.reference_from(grads64, clip, keep=[0, 2, 3, 4])
+    gm.assert_tree_close(grads, sums)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MODELS))
+def test_recurrent_cells_eagerly(name):
+    loss, params, x, grads64 = built(name)
+    clip = _threshold(grads64)
+    padding = np.arange(B) == 4
+    result = _step(loss, clip, "eager")(params, x, np.float32(1), padding)
+    _check(result, grads64, clip, padding=padding)
