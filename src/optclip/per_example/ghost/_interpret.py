@@ -307,7 +307,9 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
                 for key, i in zip(site.records, site.recorded, strict=True):
                     if key not in records:
                         records[key] = invals[i]
-                for (t, e), j in zip(taps[site.id], float_outputs(eqn), strict=True):
+                pairs = taps[site.id] or ()  # (None: its output gradient is another's)
+                outputs = float_outputs(eqn) if pairs else []
+                for (t, e), j in zip(pairs, outputs, strict=True):
                     # (an output shared by the batch, not in `batched`, made each example's)
                     y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)
                     outs[j] = (tap_in_scan if site.depth else tap)(y, t, e)

@@ -9,7 +9,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from optclip.per_example.ghost import _batch, _interpret, _norms, _plans, _sums, _target, _trace
+from optclip.per_example.ghost import (
+    _batch,
+    _interpret,
+    _norms,
+    _plans,
+    _shared,
+    _sums,
+    _target,
+    _trace,
+)
 from optclip.per_example.ghost._batch import Flat, Settings
 
 
@@ -35,13 +44,15 @@ def tapped_pass(one, flat: Flat, s: Settings):
     batched_in = [b or i in own for i, b in enumerate(flat.batched)]
     batched = _trace.batched_sites(plan, closed.jaxpr, batched_in)
     first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
-    taps = {
+    same = _shared.shared(closed.jaxpr, plan, set(sites))  # (no tap: another's gradient)
+    taps: dict = {
         i: tuple(
             tuple(_batch.batch_zeros(part, first, sites[i].depth) for part in pair)
             for pair in shapes
         )
         for i, shapes in _interpret.tap_shapes(sites).items()
     }
+    taps.update(dict.fromkeys(same))  # (None: recorded, not tapped)
     deltas = {k: _batch.batch_zeros(leaves[k], first) for k in _plans.materialised(plans)}
 
     def single(flat_leaves, taps, deltas):
@@ -55,7 +66,9 @@ def tapped_pass(one, flat: Flat, s: Settings):
         return outs, records
 
     in_axes = [0 if b else None for b in flat.batched]
-    tap_axes = {i: ((sites[i].depth,) * 2,) * len(t) for i, t in taps.items()}
+    tap_axes = {
+        i: None if t is None else ((sites[i].depth,) * 2,) * len(t) for i, t in taps.items()
+    }
     record_axes = {key: site.depth for site in sites.values() for key in site.records}
     mapped = jax.vmap(
         single,
@@ -77,7 +90,9 @@ def tapped_pass(one, flat: Flat, s: Settings):
     grads = {
         i: tuple(scale(g, sites[i].depth, None if sites[i].depth else e) for g, e in pairs)
         for i, pairs in grads.items()
+        if pairs is not None
     }
+    grads.update({i: grads[j] for i, j in same.items()})
     records = {k: scale(r, record_axes[k]) for k, r in records.items()}
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     grad_axes = {i: site.depth for i, site in sites.items()}
