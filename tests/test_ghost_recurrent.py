@@ -234,12 +234,13 @@ def test_recurrent_cells_eagerly(name):
 
 
 @pytest.mark.every_case
-@pytest.mark.parametrize("reuse", [False, True], ids=["added only", "also read alone"])
-def test_products_added_before_a_gate_keep_one_output_gradient(reuse, monkeypatch):
+@pytest.mark.parametrize("case", ["added", "also read alone", "one weight twice"])
+def test_products_added_before_a_gate_keep_one_output_gradient(case, monkeypatch):
     """``x W + h U + b`` (an LSTM's gates as Equinox and Flax write them): both products'
     output gradients are the sum's, and the tapped pass keeps one of them for both. A product
-    also read on its own has an output gradient of its own: nothing is shared. The numbers
-    equal the float64 reference either way, at ordinary magnitudes and at 1e22."""
+    also read on its own has an output gradient of its own: nothing is shared. One weight used
+    twice in the sum (``x W + h W``) shares it too, with its uses' cross terms. The numbers
+    equal the float64 reference in every case, at ordinary magnitudes and at 1e22."""
     from optclip.per_example.ghost import _shared
 
     found = []
@@ -247,20 +248,21 @@ def test_products_added_before_a_gate_keep_one_output_gradient(reuse, monkeypatc
         _shared, "shared", lambda *a, f=_shared.shared: found.append(f(*a)) or found[-1]
     )
     rng = np.random.default_rng(3)
-    params = {"w": rng.normal(size=(F, H)), "u": rng.normal(size=(H, H)), "b": rng.normal(size=H)}
+    params = {"w": rng.normal(size=(H, H)), "u": rng.normal(size=(H, H)), "b": rng.normal(size=H)}
     params = jax.tree.map(lambda a: jnp.asarray(a / 2, jnp.float32), params)
 
-    def loss(p, x):  # x: (1, T, F)
+    def loss(p, x):  # x: (1, T, H)
         def step(h, xt):
             a = xt @ p["w"]
-            gate = jnp.sin(a) if reuse else 1  # (read before the sum)
-            h = jnp.tanh(a + h @ p["u"] + p["b"]) * gate
+            gate = jnp.sin(a) if case == "also read alone" else 1  # (read before the sum)
+            recurrent = p["w"] if case == "one weight twice" else p["u"]
+            h = jnp.tanh(a + h @ recurrent + p["b"]) * gate
             return h, h
 
         _, hs = jax.lax.scan(step, jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1))
         return _head_loss(hs)
 
-    x = rng.normal(size=(B, T, F)).astype(np.float32)
+    x = rng.normal(size=(B, T, H)).astype(np.float32)
     grads64 = gm.per_example_grads(loss, params, x)
     clip = _threshold(grads64)
     step = _step(loss, clip, "jit")
@@ -268,4 +270,5 @@ def test_products_added_before_a_gate_keep_one_output_gradient(reuse, monkeypatc
     for magnitude in (1.0, 1e22):
         result = step(params, x, np.float32(magnitude), none)
         _check(result, grads64, clip, magnitude=magnitude)
-    assert found and all(len(f) == (0 if reuse else 1) for f in found), found
+    shares = 0 if case == "also read alone" else 1
+    assert found and all(len(f) == shares for f in found), found

@@ -126,6 +126,14 @@ DEFECTS: list[Defect] = [
         ("tests/test_ghost.py",),
     ),
     Defect(
+        "ghost-shared-gradient-of-a-read-output",
+        "src/optclip/per_example/ghost/_shared.py",
+        "    while users[v] == 1 and",
+        "    while users[v] >= 1 and",
+        "a product also read on its own shares the output gradient of the sum it is added to",
+        ("tests/test_ghost_recurrent.py",),
+    ),
+    Defect(
         "ghost-padding-counted",
         "src/optclip/per_example/ghost/_batch.py",
         "    keep = ~padding & (finite | (not s.nan_safe))",

@@ -59,10 +59,8 @@ def _sum_of(v, users, consumer):
     its only use and adds two operands of its shape and dtype."""
     while users[v] == 1 and consumer[v].primitive.name in SUMS:
         eqn = consumer[v]
-        avals = [getattr(x, "aval", None) for x in (*eqn.invars, *eqn.outvars)]
-        if len(eqn.invars) != 2 or any(a is None or a.shape != v.aval.shape for a in avals):
-            break
-        if any(a.dtype != v.aval.dtype for a in avals):
+        avals = [(x.aval.shape, x.aval.dtype) for x in (*eqn.invars, *eqn.outvars)]
+        if len(eqn.invars) != 2 or any(a != (v.aval.shape, v.aval.dtype) for a in avals):
             break
         v = eqn.outvars[0]
     return v
