@@ -288,17 +288,19 @@ def announce(what: str, quick: bool) -> None:
     )
 
 
-def add_arguments(parser, models: list[str], *, quick: str, only: str) -> None:
+def add_arguments(parser, models: list[str], *, quick: str, only: str, several=False) -> None:
     """The options this script shares with the scripts that measure other models as it does
     (``recurrent.py``): ``--quick``, ``--pairs``, ``--budget-gib``, ``--run-limit-gib``,
-    ``--only`` (one of `models`), ``--batches``, ``--methods`` and ``--json``."""
+    ``--only`` (one of `models`, or with `several` a list of them), ``--batches``,
+    ``--methods`` and ``--json``."""
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument(
         "--pairs", type=_timing.count, default=None, help="timing rounds (default 5)"
     )
     parser.add_argument("--budget-gib", type=_timing.gib, default=4.0)
     parser.add_argument("--run-limit-gib", type=_timing.gib, default=12.0)
-    parser.add_argument("--only", choices=models, default=None, help=only)
+    nargs = "+" if several else None
+    parser.add_argument("--only", choices=models, nargs=nargs, default=None, help=only)
     parser.add_argument(
         "--batches", type=_timing.count, nargs="+", default=None, help="batch sizes"
     )

@@ -2,6 +2,7 @@
 
     python benchmarks/recurrent.py [--quick] [--json out.json]
     python benchmarks/recurrent.py --only eqx-gru --batches 64 --methods ghost
+    python benchmarks/recurrent.py --only eqx-gru hk-deeprnn --seqs 16 64 --batches 256
     python benchmarks/recurrent.py --markdown out.json  (a saved run's table)
 
 ``benchmarks/private.py``'s measurement (its ``measure``: XLA's compiled memory analysis of
@@ -33,7 +34,8 @@ Each loss is called per example with a leading batch axis of 1 (as jax_privacy a
 ``clipped_grad`` call it; the Equinox models ``vmap`` over it) and returns the batch's mean.
 Beside the figures, ``optclip.ghost_report``'s leaves that ``clipped_grad`` materialises
 (their per-example gradients formed): how many, their parameters, and the first one's reason.
-``--quick``: batch 16 and T=8 (a smoke test).
+``--seqs``: other sequence lengths than 32 (each recurrent model's rows named with its ``T``;
+the convnet runs once). ``--quick``: batch 16 and T=8 (a smoke test).
 """
 
 import dataclasses
@@ -315,10 +317,13 @@ def main(argv=None) -> list[dict]:
     import argparse
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(parser, MODELS, quick="batch 16 and T=8 (a smoke test)", only="one model")
+    add_arguments(
+        parser, MODELS, quick="batch 16 and T=8 (a smoke test)", only="models", several=True
+    )
     parser.add_argument(
         "--markdown", type=pathlib.Path, default=None, help="print a --json file's table"
     )
+    parser.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths")
     args = parser.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
     if args.markdown:
@@ -329,15 +334,20 @@ def main(argv=None) -> list[dict]:
     batches = tuple(args.batches) if args.batches else batches
     announce("recurrent private training benchmark", args.quick)
     rows = []
-    for name, (loss, params, make_batch) in setups(shape).items():
-        if args.only and name != args.only:
-            continue
-        print(f"{name}: {_private_models.parameter_count(params):,} parameters", flush=True)
-        for b in batches:
-            batch = make_batch(b)
-            report = materialised(loss, params, batch)
-            got = measure(name, loss, params, batch, b, args)
-            rows += [{**row, **report} for row in got]
+    for seq in args.seqs or [shape.seq]:
+        named = args.seqs is not None
+        for name, (loss, params, make_batch) in setups(dataclasses.replace(shape, seq=seq)).items():
+            if (args.only and name not in args.only) or (
+                named and name == "eqx-convnet" and seq != args.seqs[0]
+            ):
+                continue
+            label = f"{name} T={seq}" if named and name != "eqx-convnet" else name
+            print(f"{label}: {_private_models.parameter_count(params):,} parameters", flush=True)
+            for b in batches:
+                batch = make_batch(b)
+                report = materialised(loss, params, batch)
+                got = measure(label, loss, params, batch, b, args)
+                rows += [{**row, **report} for row in got]
     print(table(rows))
     print()
     print(markdown(rows))

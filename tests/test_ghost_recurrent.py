@@ -233,42 +233,98 @@ def test_recurrent_cells_eagerly(name):
     _check(result, grads64, clip, padding=padding)
 
 
+SHARING = {  # case: (variables tapped, products tapped)
+    "added": (1, 2),
+    "also read alone": (2, 2),
+    "one weight twice": (1, 2),
+    "split into gates": (2, 2),
+    "a split part also read": (3, 2),
+    "split into gates, vmapped": (2, 2),
+}
+
+
+def _sharing_loss(case):
+    """One example's loss of a recurrent cell in the shape of `case` (`SHARING`): an LSTM's
+    sum of products before a gate, or a GRU's two products split into three gates each (as
+    Equinox writes it), two of the three added."""
+
+    def gru(gates_x, gates_h, h, axis):
+        i_r, i_z, i_n = jnp.split(gates_x, 3, axis=axis)
+        h_r, h_z, h_n = jnp.split(gates_h, 3, axis=axis)
+        r, z = jax.nn.sigmoid(i_r + h_r), jax.nn.sigmoid(i_z + h_z)
+        n = jnp.tanh(i_n + r * h_n) * (jnp.cos(h_z) if case.startswith("a split") else 1)
+        return (1 - z) * n + z * h
+
+    def step(p, h, xt):
+        if case.endswith("vmapped"):  # (``W @ x`` per example, as Equinox writes it)
+            cell = lambda h, x: gru(p["w"].T @ x + p["b"], p["u"].T @ h, h, 0)  # noqa: E731
+            return jax.vmap(cell)(h, xt)
+        a = xt @ p["w"]
+        if case.startswith(("split", "a split")):
+            return gru(a + p["b"], h @ p["u"], h, -1)
+        gate = jnp.sin(a) if case == "also read alone" else 1  # (read before the sum)
+        recurrent = p["w"] if case == "one weight twice" else p["u"]
+        return jnp.tanh(a + h @ recurrent + p["b"]) * gate
+
+    def loss(p, x):  # x: (1, T, H)
+        def body(h, xt):
+            h = step(p, h, xt)
+            return h, h
+
+        _, hs = jax.lax.scan(body, jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1))
+        return _head_loss(hs)
+
+    return loss
+
+
+def _sharing_case(case, seed):
+    """`case`'s loss, drawn parameters and batch, their float64 per-example gradients and a
+    threshold between the examples' norms."""
+    rng = np.random.default_rng(seed)
+    gates = 3 if case.startswith(("split", "a split")) else 1
+    shapes = {"w": (H, gates * H), "u": (H, gates * H), "b": (gates * H,)}
+    params = {
+        k: jnp.asarray(rng.normal(size=shape) / 2, jnp.float32) for k, shape in shapes.items()
+    }
+    loss = _sharing_loss(case)
+    x = rng.normal(size=(B, T, H)).astype(np.float32)
+    grads64 = gm.per_example_grads(loss, params, x)
+    return loss, params, x, grads64, _threshold(grads64)
+
+
 @pytest.mark.every_case
-@pytest.mark.parametrize("case", ["added", "also read alone", "one weight twice"])
-def test_products_added_before_a_gate_keep_one_output_gradient(case, monkeypatch):
+@pytest.mark.parametrize("case", list(SHARING))
+def test_output_gradients_are_tapped_once_per_sum_and_per_part(case, monkeypatch):
     """``x W + h U + b`` (an LSTM's gates as Equinox and Flax write them): both products'
-    output gradients are the sum's, and the tapped pass keeps one of them for both. A product
-    also read on its own has an output gradient of its own: nothing is shared. One weight used
-    twice in the sum (``x W + h W``) shares it too, with its uses' cross terms. The numbers
-    equal the float64 reference in every case, at ordinary magnitudes and at 1e22."""
+    output gradients are the sum's, tapped once. A product also read on its own has an output
+    gradient of its own. One weight used twice in the sum (``x W + h W``) shares it too, with
+    its uses' cross terms. Two products split into three gates each, two of them added (a GRU
+    as Equinox and dm-haiku write it): each product's output gradient is its parts' sums side
+    by side, four variables tapped for two products of three parts, also where each product
+    is transposed before its split (``W @ x`` under `jax.vmap`); a part also read on its own
+    (``cos(h_z)``) is tapped by itself. The numbers equal the float64 reference in every
+    case, at ordinary magnitudes and at 1e22."""
     from optclip.per_example.ghost import _shared
 
     found = []
     monkeypatch.setattr(
-        _shared, "shared", lambda *a, f=_shared.shared: found.append(f(*a)) or found[-1]
+        _shared, "place", lambda *a, f=_shared.place: found.append(f(*a)) or found[-1]
     )
-    rng = np.random.default_rng(3)
-    params = {"w": rng.normal(size=(H, H)), "u": rng.normal(size=(H, H)), "b": rng.normal(size=H)}
-    params = jax.tree.map(lambda a: jnp.asarray(a / 2, jnp.float32), params)
-
-    def loss(p, x):  # x: (1, T, H)
-        def step(h, xt):
-            a = xt @ p["w"]
-            gate = jnp.sin(a) if case == "also read alone" else 1  # (read before the sum)
-            recurrent = p["w"] if case == "one weight twice" else p["u"]
-            h = jnp.tanh(a + h @ recurrent + p["b"]) * gate
-            return h, h
-
-        _, hs = jax.lax.scan(step, jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1))
-        return _head_loss(hs)
-
-    x = rng.normal(size=(B, T, H)).astype(np.float32)
-    grads64 = gm.per_example_grads(loss, params, x)
-    clip = _threshold(grads64)
+    loss, params, x, grads64, clip = _sharing_case(case, 3)
     step = _step(loss, clip, "jit")
     none = np.zeros(B, bool)
     for magnitude in (1.0, 1e22):
         result = step(params, x, np.float32(magnitude), none)
         _check(result, grads64, clip, magnitude=magnitude)
-    shares = 0 if case == "also read alone" else 1
-    assert found and all(len(f) == shares for f in found), found
+    assert found
+    for placed in found:
+        assert (len(placed.at), len(placed.gradients)) == SHARING[case], (case, placed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SHARING))
+def test_output_gradients_tapped_once_eagerly(case):
+    loss, params, x, grads64, clip = _sharing_case(case, 4)
+    padding = np.arange(B) == 1
+    result = _step(loss, clip, "eager")(params, x, np.float32(1e-24), padding)
+    _check(result, grads64, clip, padding=padding, magnitude=1e-24)

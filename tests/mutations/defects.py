@@ -134,6 +134,14 @@ DEFECTS: list[Defect] = [
         ("tests/test_ghost_recurrent.py",),
     ),
     Defect(
+        "ghost-gate-read-from-the-first-slice",
+        "src/optclip/per_example/ghost/_shared.py",
+        "give(p, Sliced(path.param, start, stop, node))",
+        "give(p, Sliced(path.param, 0, stop - start, node))",
+        "a product split into gates reads every shared gate's gradient from the first slice",
+        ("tests/test_ghost_recurrent.py",),
+    ),
+    Defect(
         "ghost-padding-counted",
         "src/optclip/per_example/ghost/_batch.py",
         "    keep = ~padding & (finite | (not s.nan_safe))",

@@ -9,8 +9,9 @@ a step runs it:
 2. `_plans` decides each leaf's route: ghost (closed-form norms from its sites' inputs and
    output gradients) or materialised (its per-example gradient formed, that leaf only).
 3. `_interpret` evaluates the loss with taps at the ghost sites: one forward and one backward
-   pass give every site's records and output gradients (`_passes.tapped_pass`). Sites whose
-   outputs are summed before anything else reads them share one tap (`_shared`).
+   pass give every site's records and output gradients (`_passes.tapped_pass`). The taps sit
+   on variables (`_shared`): one tap serves every site whose output gradient it gives
+   (products added, split into gates or transposed before they meet).
 4. `_norms` computes each example's norm from them (`_factors`: the Grams), `_sums` the clipped
    sum by book-keeping (`_products`: the written products); `_passes.finish` puts them
    together for the platform the step is lowered for (`_target`: decided once per step).

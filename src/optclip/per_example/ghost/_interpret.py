@@ -1,11 +1,12 @@
 """The per-example loss evaluated equation by equation, with taps at the sites.
 
-At every tapped site (a use of a ghost leaf, `_plans.ghost_sites`) the equation's
-floating-point outputs get a tap (`tap`: its gradient is the output gradient of that example at
-that site) and the operands that are not parameter views are recorded (the
-activations, the indices of a lookup). Calls with sites inside are evaluated inline;
-rematerialised blocks stay rematerialised (`jax.checkpoint` of the same evaluation, with their
-taps in and their records out); a `scan` stacks its records like its ``ys``.
+Every variable `_shared.place` places a tap at goes through `tap` (its gradient is that
+example's gradient of the variable: a site's output gradient, or what it is made of), and at
+every tapped site (a use of a ghost leaf, `_plans.ghost_sites`) the operands that are not
+parameter views are recorded (the activations, the indices of a lookup). Calls with sites
+inside are evaluated inline; rematerialised blocks stay rematerialised (`jax.checkpoint` of
+the same evaluation, with their taps in and their records out); a `scan` stacks its records
+like its ``ys``.
 """
 
 from __future__ import annotations
@@ -259,30 +260,27 @@ def float_outputs(eqn):
     return [j for j, v in enumerate(eqn.outvars) if _jaxprs.is_float(v)]
 
 
-def tap_shapes(sites):
+def tap_shapes(sites, shapes):
     """One example's taps of `sites` (``{id: site}``): ``{site id: tuple of (ShapeDtypeStruct,
-    ShapeDtypeStruct)}``, per floating output its own zeros and a zero for its exponent,
-    stacked along the scans the site is in."""
+    ShapeDtypeStruct)}``, per variable of `shapes` (``{site id: tuple of ShapeDtypeStruct}``,
+    `_shared.Placement.shapes`) its own zeros and a zero for its exponent, stacked along the
+    scans the site is in."""
     return {
         i: tuple(
             (
-                jax.ShapeDtypeStruct(
-                    (*site.stack, *site.eqn.outvars[j].aval.shape),
-                    site.eqn.outvars[j].aval.dtype,
-                ),
+                jax.ShapeDtypeStruct((*site.stack, *shape.shape), shape.dtype),
                 jax.ShapeDtypeStruct(site.stack, jnp.float32),
             )
-            for j in float_outputs(site.eqn)
+            for shape in shapes[i]
         )
         for i, site in sites.items()
     }
 
 
-def run(jaxpr, consts, args, plan, taps, records, batched):
-    """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) at those of `plan`'s
-    sites, filling `records` (``{record key: recorded operand}``) with theirs; `batched`
-    holds the ids of the sites whose operands differ between examples
-    (`_trace.batched_sites`). Returns the outputs."""
+def run(jaxpr, consts, args, plan, taps, records, at):
+    """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) of `plan`'s sites at the
+    variables `at` places them (``{variable: _shared.Spot}``), filling `records` (``{record
+    key: recorded operand}``) with the sites' recorded operands. Returns the outputs."""
     env: dict = {}
 
     def read(v):
@@ -296,7 +294,7 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
         invals = [read(v) for v in eqn.invars]
         subplan = plan.subplans.get(index)
         if subplan is not None and any(site.id in taps for site in subplan.all_sites()):
-            outs = _call(eqn, subplan, invals, taps, records, batched)
+            outs = _call(eqn, subplan, invals, taps, records, at)
         else:
             site = plan.sites.get(index)
             if site is not None and site.id not in taps and _broadcast(site):
@@ -307,19 +305,21 @@ def run(jaxpr, consts, args, plan, taps, records, batched):
                 for key, i in zip(site.records, site.recorded, strict=True):
                     if key not in records:
                         records[key] = invals[i]
-                pairs = taps[site.id] or ()  # (None: its output gradient is another's)
-                outputs = float_outputs(eqn) if pairs else []
-                for (t, e), j in zip(pairs, outputs, strict=True):
-                    # (an output shared by the batch, not in `batched`, made each example's)
-                    y = outs[j] if site.id in batched else outs[j] + lax.stop_gradient(t)
-                    outs[j] = (tap_in_scan if site.depth else tap)(y, t, e)
+        outs = list(outs)
+        for j, v in enumerate(eqn.outvars):
+            spot = at.get(v)
+            if spot is not None and spot.site in taps:
+                t, e = taps[spot.site][spot.slot]
+                # (a variable shared by the batch, not `batched`, made each example's)
+                y = outs[j] if spot.batched else outs[j] + lax.stop_gradient(t)
+                outs[j] = (tap_in_scan if spot.depth else tap)(y, t, e)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = x
     return [read(v) for v in jaxpr.outvars]
 
 
-def _scan(eqn, subplan, invals, taps, records, batched):
+def _scan(eqn, subplan, invals, taps, records, at):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
     params = eqn.params
@@ -331,7 +331,7 @@ def _scan(eqn, subplan, invals, taps, records, batched):
         xs, step_taps = x
         step_records: dict = {}
         args = [*invals[:consts], *state, *xs]
-        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, batched)
+        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, at)
         return outs[:carry], (outs[carry:], step_records)
 
     state, (ys, scan_records) = lax.scan(
@@ -346,18 +346,18 @@ def _scan(eqn, subplan, invals, taps, records, batched):
     return [*state, *ys]
 
 
-def _call(eqn, subplan, invals, taps, records, batched):
+def _call(eqn, subplan, invals, taps, records, at):
     """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
     if eqn.primitive.name == "scan":
-        return _scan(eqn, subplan, invals, taps, records, batched)
+        return _scan(eqn, subplan, invals, taps, records, at)
     jaxpr, consts = _jaxprs.sub_jaxpr(eqn)
     if eqn.primitive.name not in _jaxprs.REMATS:
-        return run(jaxpr, consts, invals, subplan, taps, records, batched)
+        return run(jaxpr, consts, invals, subplan, taps, records, at)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def block(invals, block_taps):
         block_records: dict = {}
-        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, batched)
+        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, at)
         return outs, block_records
 
     remat = jax.checkpoint(

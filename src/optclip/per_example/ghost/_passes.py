@@ -44,15 +44,14 @@ def tapped_pass(one, flat: Flat, s: Settings):
     batched_in = [b or i in own for i, b in enumerate(flat.batched)]
     batched = _trace.batched_sites(plan, closed.jaxpr, batched_in)
     first = next(x for x, b in zip(flat.leaves, flat.batched, strict=True) if b)
-    same = _shared.shared(closed.jaxpr, plan, set(sites))  # (no tap: another's gradient)
+    placed = _shared.place(closed.jaxpr, plan, sites, batched)
     taps: dict = {
         i: tuple(
             tuple(_batch.batch_zeros(part, first, sites[i].depth) for part in pair)
             for pair in shapes
         )
-        for i, shapes in _interpret.tap_shapes(sites).items()
+        for i, shapes in _interpret.tap_shapes(sites, placed.shapes).items()
     }
-    taps.update(dict.fromkeys(same))  # (None: recorded, not tapped)
     deltas = {k: _batch.batch_zeros(leaves[k], first) for k in _plans.materialised(plans)}
 
     def single(flat_leaves, taps, deltas):
@@ -61,14 +60,12 @@ def tapped_pass(one, flat: Flat, s: Settings):
             flat_leaves[where[k]] = flat_leaves[where[k]] + delta
         records: dict = {}
         outs = _interpret.run(
-            closed.jaxpr, closed.consts, flat_leaves, plan, taps, records, batched
+            closed.jaxpr, closed.consts, flat_leaves, plan, taps, records, placed.at
         )
         return outs, records
 
     in_axes = [0 if b else None for b in flat.batched]
-    tap_axes = {
-        i: None if t is None else ((sites[i].depth,) * 2,) * len(t) for i, t in taps.items()
-    }
+    tap_axes = {i: ((sites[i].depth,) * 2,) * len(t) for i, t in taps.items()}
     record_axes = {key: site.depth for site in sites.values() for key in site.records}
     mapped = jax.vmap(
         single,
@@ -87,12 +84,21 @@ def tapped_pass(one, flat: Flat, s: Settings):
         e = _interpret.exponents_of(x, axis) if e is None else e.astype(jnp.int32)
         return _interpret.scaled(x, e), e
 
+    wholes: dict = {}  # (a tapped variable's gradient, scaled once for all its readers)
+
+    def gradient(site, node):
+        if not isinstance(node, _shared.Tapped):  # (made of several: one exponent for all)
+            raw = {i: tuple(g for g, _ in pairs) for i, pairs in grads.items()}
+            return scale(_shared.gradient(node, raw, site.depth + 1), site.depth)
+        if node not in wholes:
+            g, e = grads[node.site][node.slot]
+            wholes[node] = scale(g, site.depth, None if site.depth else e)
+        return wholes[node]
+
     grads = {
-        i: tuple(scale(g, sites[i].depth, None if sites[i].depth else e) for g, e in pairs)
-        for i, pairs in grads.items()
-        if pairs is not None
+        i: tuple(gradient(sites[i], node) for node in nodes)
+        for i, nodes in placed.gradients.items()
     }
-    grads.update({i: grads[j] for i, j in same.items()})
     records = {k: scale(r, record_axes[k]) for k, r in records.items()}
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     grad_axes = {i: site.depth for i, site in sites.items()}

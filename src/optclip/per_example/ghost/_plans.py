@@ -190,7 +190,9 @@ def route(plan: LeafPlan, shapes) -> Route | None:
     """The route of a leaf (None for an unused one), given the shapes ``(L, B, H, K, S)`` of
     each of its uses' factors ``[(x shape, y shape)]`` (for a ghost leaf): `forced`'s, else
     ``DIRECT`` for a single use of more than one row where ``K (C + F) > C F`` (its product
-    ``(C, F)`` per example is smaller than its factors), else ``GRAMS``."""
+    ``(C, F)`` per example takes fewer multiply-adds than its Grams) and ``C F <= 2 K K``
+    (the product is no larger than the two Grams: the factors are held either way, the
+    product or the Grams beside them), else ``GRAMS``."""
     if plan.mode is Mode.UNUSED:
         return None
     if plan.mode is Mode.MATERIALISED:
@@ -200,7 +202,8 @@ def route(plan: LeafPlan, shapes) -> Route | None:
     if force in ("grams", "direct"):
         return Route.DIRECT if force == "direct" and product else Route.GRAMS
     (_, _, _, k, c), (_, _, _, _, f) = shapes[0]
-    return Route.DIRECT if product and k > 1 and k * (c + f) > c * f else Route.GRAMS
+    fewer = k * (c + f) > c * f and c * f <= 2 * k * k
+    return Route.DIRECT if product and k > 1 and fewer else Route.GRAMS
 
 
 def ghost_sites(plans) -> dict:
