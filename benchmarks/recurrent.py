@@ -303,7 +303,12 @@ def markdown(rows) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     order = {name: k for k, name in enumerate(MODELS)}
-    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=lambda k: (order[k[0]], k[1]))
+
+    def key(model_batch):  # (the models in `MODELS`' order, then by T, then by batch)
+        name, _, seq = model_batch[0].partition(" T=")
+        return order[name], int(seq or 0), model_batch[1]
+
+    keys = sorted({(r["model"], r["batch"]) for r in rows}, key=key)
     for model, batch in keys:
         got = {r["method"]: r for r in rows if (r["model"], r["batch"]) == (model, batch)}
         any_row = next(iter(got.values()))
