@@ -122,23 +122,25 @@ def test_each_layer_kind_matches_the_float64_reference(name):
     check_against_reference(loss, params, x, 1.0)
 
 
-# The ghost engine at every threshold; the materialising way (`per_example_clip`'s own tests
-# cover its thresholds) at one; each way eagerly (its own compiled program, `_eager`) at one
-# (CI's time: docs/design/tests-and-ci.md, "The two tiers").
+# The ghost engine jitted at three thresholds, one program (the threshold its argument); the
+# materialising way (`per_example_clip`'s own tests cover its thresholds) and each way eagerly
+# (its own compiled program, `_eager`) at one. The float64 gradients: once per model and process.
 @pytest.mark.parametrize(
-    ("clip", "method", "mode"),
-    [(c, "auto", "jit") for c in (0.3, 1e6, 0.0)]
-    + [
-        (0.3, m, mode)
-        for m in ("vmap", "auto")
-        for mode in ("jit", "eager")
-        if (m, mode) != ("auto", "jit")
-    ],
+    ("method", "mode"), [("auto", "jit"), ("vmap", "jit"), ("vmap", "eager"), ("auto", "eager")]
 )
 @pytest.mark.parametrize("name", list(MODELS))
-def test_every_model_method_and_threshold(name, clip, method, mode):
-    loss, params, x = MODELS[name](np.random.default_rng(1))
-    check_against_reference(loss, params, x, clip, method, mode)
+def test_every_model_method_and_threshold(name, method, mode):
+    loss, params, x, grads64 = cached_model(name, 1)
+    if (method, mode) == ("auto", "jit"):
+        clipped = lambda p, x, c: optclip.clipped_grad(  # noqa: E731
+            loss, l2_clip_norm=c, return_grad_norms=True
+        )(p, x)
+        step = jax.jit(clipped)
+        for clip in (0.3, 1e6, 0.0):
+            check_against_grads(step(params, x, np.float32(clip)), grads64, clip)
+        return
+    g = optclip.clipped_grad(loss, l2_clip_norm=0.3, return_grad_norms=True, method=method)
+    check_against_grads(run(g, mode)(params, x), grads64, 0.3)
 
 
 @pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
@@ -2054,8 +2056,9 @@ def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, 
     padding = (jnp.arange(x.shape[0]) == 1) if variant == "padding" else None
     out = {}
     for method in ("auto", "vmap"):
-
-        def objective(p, method=method):
+        # (the batch an argument: a model's clipped, zero-example and huge variants compile
+        # one program, which the later ones read from the compilation cache)
+        def objective(p, x, method=method):
             g = optclip.clipped_grad(loss, l2_clip_norm=0.5, return_grad_norms=True, method=method)
             grads, aux = g(p, x, is_padding_example=padding)
             total = sum(jnp.sum(jnp.sin(v)) for v in jax.tree.leaves(grads))
@@ -2064,7 +2067,8 @@ def test_the_gradient_through_the_clip_is_the_materialising_ways(name, variant, 
         loop_work = _norms.LOOP_WORK
         _norms.LOOP_WORK = 0 if variant == "looped" else loop_work
         try:
-            out[method] = run(jax.grad(objective), mode)(params)
+            # (the materialising way, the reference, jitted: eagerly it is the slowest part)
+            out[method] = run(jax.grad(objective), mode if method == "auto" else "jit")(params, x)
         finally:
             _norms.LOOP_WORK = loop_work
     for a, b in zip(jax.tree.leaves(out["auto"]), jax.tree.leaves(out["vmap"]), strict=True):
