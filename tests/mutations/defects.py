@@ -142,6 +142,14 @@ DEFECTS: list[Defect] = [
         ("tests/test_ghost_recurrent.py",),
     ),
     Defect(
+        "ghost-zero-threshold-clips-nothing",
+        "src/optclip/per_example/ghost/_batch.py",
+        "    scale = _scale.clip_scale(norms, threshold)\n",
+        "    scale = jnp.where(threshold > 0, _scale.clip_scale(norms, threshold), 1.0)\n",
+        "clipped_grad takes a threshold of 0 as no clipping (the sum is not zeros)",
+        ("tests/test_ghost.py::test_every_model_method_and_threshold",),
+    ),
+    Defect(
         "ghost-padding-counted",
         "src/optclip/per_example/ghost/_batch.py",
         "    keep = ~padding & (finite | (not s.nan_safe))",
