@@ -60,12 +60,12 @@ def import_base(ref: str, folder: str):
     return optclip_base
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("ref", help="the git commit (or branch) to compare with")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, few rounds")
     parser.add_argument("--pairs", type=_timing.count, default=None, help="rounds per figure")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     pairs = args.pairs or (5 if args.quick else 21)
     shape = _trees.TransformerShape.quick() if args.quick else _trees.TransformerShape()
     leaves = (200, 100) if args.quick else (2000, 1000)

@@ -335,14 +335,17 @@ def assert_as_vmap_to_bfloat16_rounding(loss, params, batch, clip, mode="jit", n
 
 def assert_as_vmap_to_bfloat16_rounding_on_each(loss, params, batches, clip, mode="jit", noise=()):
     """`assert_as_vmap_to_bfloat16_rounding` on each of `batches` (of one shape), with one
-    program for each method for them all."""
+    program for each method for them all. Returns the ghost step, its threshold an argument
+    (``step(params, batch, threshold)``), for the caller's checks at other thresholds."""
     steps = {}
     for method in ("auto", "vmap"):
-        g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
+        g = lambda p, x, c, method=method: optclip.clipped_grad(  # noqa: E731
+            loss, l2_clip_norm=c, return_grad_norms=True, method=method
+        )(p, x)
         steps[method] = jax.jit(g) if mode == "jit" else g
     per_example = jax.jit(jax.vmap(jax.grad(loss), in_axes=(None, 0)))
     for batch in batches:
-        results = {method: step(params, batch) for method, step in steps.items()}
+        results = {m: step(params, batch, np.float32(clip)) for m, step in steps.items()}
         (sums, aux), (ref_sums, ref_aux) = results["auto"], results["vmap"]
         norms, ref_norms = (np.asarray(a.grad_norms, np.float64) for a in (aux, ref_aux))
         kept = np.isfinite(ref_norms)
@@ -368,6 +371,7 @@ def assert_as_vmap_to_bfloat16_rounding_on_each(loss, params, batches, clip, mod
             assert not np.any(off), (
                 f"{path}: {got[off]} against {expected[off]}, bound {bound[off]}"
             )
+    return steps["auto"]
 
 
 def assert_tree_close(actual, expected, rtol=RTOL, whole=False):

@@ -6,7 +6,8 @@ on the common path and on the paths taken for gradients whose squares overflow a
 dropped non-finite example, with the norms' Grams batched and one example at a time, with
 every parameter scaled by a number the loss computes (a view of each weight), and by one
 the step traces (an argument of the jitted step, passed to the loss unbatched); and
-convolutions (grouped, a kernel used twice, stacked under a scan).
+convolutions (grouped, a kernel used twice, stacked under a scan). The transformer's common
+path runs under every way of sharding, each of its other paths under the ways that meet it.
 Prints ``ok`` and the checks made.
 
 (Importing this module does nothing: JAX and the device count are set up in `main`.)
@@ -74,17 +75,29 @@ def main():
             label = "/".join(filter(None, (name, axis_type.name, variant)))
             _norms.LOOP_WORK = 0 if variant == "looped" else loop_work
             number = (jax.numpy.float32(-0.75),) if variant == "traced" else ()
-            checks += compare(f, params, data, pad, mesh, label, number)
+            only = TRANSFORMER_WAYS.get(variant) if name == "transformer" else None
+            checks += compare(f, params, data, pad, mesh, label, number, only)
         _norms.LOOP_WORK = loop_work
     print("ok", " ".join(checks))
 
 
-def compare(loss, params, x, padding, mesh, label, number=()):
+# The transformer's variants each under the ways of sharding that meet their path (its
+# common path takes them all): its programs are the worker's slowest, about 5 s each.
+TRANSFORMER_WAYS = {
+    "huge": ("spmd_axis_name",),  # (the overflow-safe norms' scale, over every shard)
+    "scaled": ("parameters split",),  # (a view of a weight that is split)
+    "traced": ("parameters split",),
+    "looped": ("jit", "spmd_axis_name"),  # (a loop over the examples of a split batch)
+    "held": ("no mesh context", "parameters split"),  # (a split weight gathered whole)
+}
+
+
+def compare(loss, params, x, padding, mesh, label, number=(), only=None):
     """`clipped_grad` jitted over `x` split over the mesh (plain jit, `spmd_axis_name`, and
     under explicit sharding `method="vmap"` too; under automatic sharding, with no mesh
-    context as well, the parameters replicated or split) against the same call on one
-    device; `number` the loss's arguments after the batch (neither batched nor
-    differentiated: traced by the jitted step)."""
+    context as well, the parameters replicated or split; of those, the names in `only`,
+    if given) against the same call on one device; `number` the loss's arguments after the
+    batch (neither batched nor differentiated: traced by the jitted step)."""
     import contextlib
 
     import jax
@@ -119,6 +132,9 @@ def compare(loss, params, x, padding, mesh, label, number=()):
         contenders += [("no mesh context", single, False, replicated)]
         if any("data" in a.sharding.spec for a in jax.tree.leaves(fsdp)):
             contenders += [("parameters split", single, False, fsdp)]
+    if only is not None:
+        assert set(only) <= {c[0] for c in contenders}, (only, label)
+        contenders = [c for c in contenders if c[0] in only]
     done = []
     for name, fn, in_context, weights in contenders:
         with jax.set_mesh(mesh) if in_context else contextlib.nullcontext():

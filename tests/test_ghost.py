@@ -1189,7 +1189,7 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
     loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"].astype(x.dtype), x)).astype(jnp.float32))  # noqa: E731
     assert optclip.ghost_report(loss, {"w": w}, x)["['w']"].mode == "ghost"
     batches = [x, x.at[2].set(jnp.inf)]
-    gm.assert_as_vmap_to_bfloat16_rounding_on_each(loss, {"w": w}, batches, 1.0, mode)
+    step = gm.assert_as_vmap_to_bfloat16_rounding_on_each(loss, {"w": w}, batches, 1.0, mode)
     if name in ("stacked in a scan", "one weight at every step"):
         return  # (layers in a chain: their output gradients are the chain's, in bfloat16)
     # Against float64: each example's gradient before its rounding, from the model's own
@@ -1202,8 +1202,7 @@ def test_every_arrangement_of_a_dense_layer_in_bfloat16(name, cast, mode):
         xs, os = (np.asarray(a, np.float64) for a in (x[:, None], outs))
         per_example = np.asarray(jax.jit(jax.vmap(vjp))(xs, os))
     norms = np.sqrt(np.sum(per_example.reshape(5, -1) ** 2, axis=1))
-    g = optclip.clipped_grad(loss, l2_clip_norm=1e30, return_grad_norms=True)
-    sums, aux = run(g, mode)({"w": w}, x)
+    sums, aux = step({"w": w}, x, np.float32(1e30))  # (the helper's program)
     np.testing.assert_allclose(np.asarray(aux.grad_norms, np.float64), norms, rtol=RTOL)
     # (unclipped: the sum of the examples' gradients, rounded once to the leaf's dtype)
     total = np.sum(per_example, axis=0)
