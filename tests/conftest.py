@@ -9,6 +9,7 @@ runs the tests in two processes, since one keeps about one core busy; without it
 this one.
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -38,8 +39,61 @@ def _share_compiles_within_the_run():
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
+_FEW_OPTIMIZATIONS = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+_TRUTH = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True}
+_TRUTH.update({"n": False, "no": False, "f": False, "false": False, "off": False, "0": False})
+
+
+def _compile_with_few_optimizations():
+    """The tests' programs compiled with JAX's ``jax_disable_most_optimizations`` (LLVM's
+    optimizations off, for code whose compile costs more than its run), unless the environment
+    sets ``JAX_DISABLE_MOST_OPTIMIZATIONS`` itself (``=0``: as users compile). XLA's passes on
+    the program are the same: the optimized HLO, its memory analysis and its values, to
+    rounding, are users'. A test of the same bits from two programs, or of printed output
+    against what a page quotes, compiles as users' programs do (`as_users_compile`,
+    `as_users_compile_module`). Every subprocess inherits the setting."""
+    value = os.environ.setdefault(_FEW_OPTIMIZATIONS, "1")
+    if value.lower() not in _TRUTH:
+        raise pytest.UsageError(f"{_FEW_OPTIMIZATIONS}={value!r} is neither true nor false")
+    jax.config.update("jax_disable_most_optimizations", _TRUTH[value.lower()])
+
+
+@contextlib.contextmanager
+def _users_compile():
+    """JAX's optimizations on, here and in the processes started meanwhile; JAX's caches
+    cleared on the way in and out, so that no program compiled the other way is reused."""
+    name = "jax_disable_most_optimizations"
+    before = jax.config.values[name]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(_FEW_OPTIMIZATIONS, "0")
+        jax.config.update(name, False)
+        jax.clear_caches()
+        try:
+            yield
+        finally:
+            jax.config.update(name, before)
+            jax.clear_caches()
+
+
+@pytest.fixture
+def as_users_compile():
+    """The test compiles as users' programs do, with JAX's optimizations: it checks the same
+    bits from two programs (LLVM's optimizations may round one of them otherwise)."""
+    with _users_compile():
+        yield
+
+
+@pytest.fixture(scope="module")
+def as_users_compile_module():
+    """The module's tests, and the processes they start, compile with JAX's optimizations: they
+    check printed output against what a page quotes."""
+    with _users_compile():
+        yield
+
+
 def pytest_configure(config):
-    """One compilation cache for the run (`_share_compiles_within_the_run`). On a GPU or TPU
+    """One compilation cache for the run (`_share_compiles_within_the_run`), programs compiled
+    with few optimizations (`_compile_with_few_optimizations`). On a GPU or TPU
     the tests' matrix products are float32's, as on a CPU: JAX's default precision there is
     TF32 or bfloat16, and the tests compare with float64 references at float32's tolerances.
     (A test of what a precision does sets it itself; a precision set in the environment,
@@ -47,6 +101,7 @@ def pytest_configure(config):
     if jax.config.jax_default_matmul_precision is None and jax.default_backend() != "cpu":
         jax.config.update("jax_default_matmul_precision", "highest")
     _share_compiles_within_the_run()
+    _compile_with_few_optimizations()
 
 
 @pytest.fixture(params=["eager", "jit"])

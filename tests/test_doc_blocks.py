@@ -97,7 +97,7 @@ def test_pages_have_python_examples_with_their_output():
 
 @pytest.mark.every_case  # every block of every page is checked in the fast tier
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
-def test_block_prints_what_the_page_says(block, several_devices):
+def test_block_prints_what_the_page_says(block, as_users_compile_module, several_devices):
     if doc_blocks.devices(ROOT / block.page) > 1:
         printed = several_devices(block)
     else:

@@ -518,11 +518,13 @@ def _check_eager_is_jit(case: NormCase):
     )
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("examples", NORM_EXAMPLES)
 def test_eager_and_jit_norms_same_bits(examples):
     _property(examples, norm_cases(), _check_eager_is_jit)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("p", ORDS)
 @pytest.mark.every_case
 def test_eager_and_jit_norms_same_bits_tiny(p):
@@ -985,6 +987,7 @@ def _check_consistency(case: ClipCase):
     assert _bits(norm) == _bits(reference), f"clip_by_global_norm's norm {norm!r}"
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("examples", EXAMPLES)
 def test_global_clip_matches_functions(examples):
     _property(examples, consistency_cases(), _check_consistency)

@@ -14,6 +14,9 @@ import jax
 import numpy as np
 import pytest
 
+# (the README's figures are of the demo as users run it)
+pytestmark = pytest.mark.usefixtures("as_users_compile_module")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 TIMEOUT_S = 240  # generous: the CPU may be shared; each run takes a few seconds alone

@@ -2356,6 +2356,7 @@ STRICT = {  # (models written without implicit promotion, and the clip that send
 }
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("name", list(STRICT))
 def test_strict_dtype_promotion_gives_the_same_bits(name, mode):
@@ -2515,6 +2516,7 @@ def test_the_output_gradients_are_held_row_major_on_every_platform(remat):
     assert sorted(PINNED.findall(lowered("cpu"))) == pinned
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("name", ["scanned", "transformer"])
 def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypatch):
     """The layout constraint of `_interpret.in_row_major`: the same gradients and norms

@@ -47,6 +47,7 @@ def check(out, loss, params, x, clip):
     assert_tree_close(grads, sums)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (eager and jitted: the same bits)
 @pytest.mark.parametrize("method", ["auto", "vmap"])
 def test_an_eager_call_compiles_one_program_once_for_its_shapes(method, compiles):
     # Before, the MLP's first eager call compiled each of the engine's operations on its own:

@@ -81,6 +81,7 @@ def test_group_names():
     assert buckets[1:3] == (4, 4)  # the head's two leaves: in no group (the bucket after them)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 def test_the_global_norm_and_update_are_bit_for_bit_the_same_with_groups(mode):
     grads = model_grads(jnp.float32)
     plain, grouped = optclip.global_clip(1.0), optclip.global_clip(1.0, group_norms="leaf")

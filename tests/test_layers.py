@@ -121,6 +121,7 @@ def test_group_names_read_as_the_unrolled_model():
     assert "blocks/2/mlp/w" in seen and "head/w" in seen
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_global_norm_and_update_bit_for_bit_the_same_whatever_the_groups(dtype, mode):
     """Given `stacked`, the groups only bucket the same partial sums: the global norm and the
@@ -141,6 +142,7 @@ def test_global_norm_and_update_bit_for_bit_the_same_whatever_the_groups(dtype, 
     np.testing.assert_allclose(state.global_norm, outs[0][1].global_norm, rtol=1e-6)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 def test_bit_for_bit_on_the_overflow_path_too(mode):
     grads = stacked_model()
     grads["blocks"]["attn"]["q"] = grads["blocks"]["attn"]["q"].at[2, 0, 0].set(3e20)

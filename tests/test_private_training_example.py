@@ -18,6 +18,9 @@ import re
 
 import pytest
 
+# (the guide quotes the examples' runs as users compile them)
+pytestmark = pytest.mark.usefixtures("as_users_compile_module")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 GUIDE = ROOT / "docs" / "guides" / "private-training.md"
