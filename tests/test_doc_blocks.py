@@ -17,6 +17,7 @@ ulp off the correctly rounded value (XLA emits its approximate forms there), and
 products add in another order, so the last printed digits may differ.
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -221,3 +222,61 @@ def test_tests_sharing_a_module_fixture_go_to_one_process(request, several_devic
 def test_a_test_sharing_no_module_fixture_has_no_group(request, tmp_path):
     """(`tmp_path` comes from a session-scoped fixture of pytest's own: no group.)"""
     assert not list(request.node.iter_markers("xdist_group"))
+
+
+FEW = "JAX_DISABLE_MOST_OPTIMIZATIONS"
+
+
+def test_the_run_compiles_with_few_optimizations_as_its_environment_says():
+    """`conftest._compile_with_few_optimizations`: the flag is the variable's value (set to
+    1 unless the environment set it), and every process started inherits the variable."""
+    import conftest
+
+    assert os.environ[FEW].lower() in conftest._TRUTH
+    assert (
+        jax.config.values["jax_disable_most_optimizations"]
+        is conftest._TRUTH[os.environ[FEW].lower()]
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", f"import os; print(os.environ[{FEW!r}])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert child.stdout.strip() == os.environ[FEW]
+
+
+def test_a_value_that_is_neither_true_nor_false_is_a_usage_error(monkeypatch):
+    import conftest
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    monkeypatch.setenv(FEW, "sometimes")
+    with pytest.raises(pytest.UsageError, match=f"{FEW}='sometimes' is neither true nor"):
+        conftest._compile_with_few_optimizations()
+    assert jax.config.values["jax_disable_most_optimizations"] is before  # (left as it was)
+
+
+def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
+    """`_users_compile`: JAX's optimizations on inside, for this process and the ones it
+    starts, and the setting and the variable as they were after, also when the test fails;
+    a program jitted inside is not reused outside (JAX's caches cleared)."""
+    import conftest
+
+    name = "jax_disable_most_optimizations"
+    before = jax.config.values[name]
+    monkeypatch.setenv(FEW, "1")
+    jax.config.update(name, True)
+    try:
+        f = jax.jit(lambda x: x * 2.0)
+        f(np.float32(1))
+        with pytest.raises(RuntimeError, match="inside"):
+            with conftest._users_compile():
+                assert jax.config.values[name] is False and os.environ[FEW] == "0"
+                assert f._cache_size() == 0  # (cleared on the way in)
+                f(np.float32(1))
+                raise RuntimeError("inside")
+        assert jax.config.values[name] is True and os.environ[FEW] == "1"
+        assert f._cache_size() == 0  # (cleared on the way out)
+    finally:
+        jax.config.update(name, before)
