@@ -96,10 +96,11 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         assert new.endswith("ms") and base.endswith("ms"), row
 
 
-# The scripts run in their own process: `compile.py` clears JAX's caches, which would make the
-# later tests of this process trace again. The others run in the test's process (`main`,
-# `sys.argv` theirs): a process of their own would spend 5 s or more on its imports.
-OWN_PROCESS = ("compile.py",)
+# Scripts run in a process of their own, bounded in time: `compile.py` clears JAX's caches (the
+# later tests of this process would trace again), and `private_eager.py` starts processes of
+# its own. The others run in the test's process (their `main`, `sys.argv` theirs): a process of
+# their own would spend 5 s or more on its imports.
+OWN_PROCESS = ("compile.py", "profile/private_eager.py")
 
 
 def run_private(tmp_path, *args, script="private.py"):
