@@ -114,7 +114,11 @@ def run_private(tmp_path, *args, script="private.py"):
         )
         assert proc.returncode == 0, proc.stdout + proc.stderr
     else:
-        with contextlib.chdir(ROOT), unittest.mock.patch.object(sys, "argv", argv):
+        with (
+            contextlib.chdir(ROOT),
+            unittest.mock.patch.object(sys, "argv", argv),
+            unittest.mock.patch.object(sys, "path", list(sys.path)),  # (its folders added)
+        ):
             load(script).main(argv[1:])
     data = json.loads(out.read_text())
     if script not in ("private.py", "compile.py", "recurrent.py"):
