@@ -881,18 +881,18 @@ def test_a_nonfinite_example_is_dropped_or_propagated(method):
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_models_accumulate_norms_in_float32(dtype):
-    loss, params, x = gm.sequence(np.random.default_rng(6), dtype=dtype)
-    # Norms in the thousands: float16 squares of such gradients overflow (float16's forward
-    # pass itself overflows at 30x, where bfloat16's does not).
-    big = 30 if dtype == jnp.bfloat16 else 8
-    params = jax.tree.map(lambda p: p * big, params)
+    model, params, x = gm.sequence(np.random.default_rng(6), dtype=dtype)
+    # Norms in the thousands: float16 squares of such gradients overflow. The loss is scaled,
+    # not the weights: a `sin` of arguments in the thousands is so coarse in float16 that two
+    # programs' roundings (the batch's, one example's) give norms a few percent apart.
+    loss = lambda p, x: 1000 * model(p, x)  # noqa: E731
     g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
     grads, aux = jax.jit(g)(params, x)
     assert aux.grad_norms.dtype == jnp.float32
     assert all(leaf.dtype == dtype for leaf in jax.tree.leaves(grads))
     reference = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
     ref_grads, ref_aux = jax.jit(reference)(params, x)
-    assert np.all(np.isfinite(ref_aux.grad_norms)) and np.max(ref_aux.grad_norms) > 300
+    assert np.all(np.isfinite(ref_aux.grad_norms)) and np.min(ref_aux.grad_norms) > 300
     # The ghost norm is that of the gradient before its rounding to the parameters' dtype.
     np.testing.assert_allclose(aux.grad_norms, ref_aux.grad_norms, rtol=1e-2)
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
