@@ -5,7 +5,8 @@
     python benchmarks/profile/private_parts.py --grams [--batches 256]
     python benchmarks/profile/private_parts.py --mlp [--batches 256] [--pairs 20]
     python benchmarks/profile/private_parts.py --convnet [--batches 16 64] [--pairs 15]
-    python benchmarks/profile/private_parts.py --recurrent eqx-gru [--batches 64] [--pairs 15]
+    python benchmarks/profile/private_parts.py --recurrent eqx-gru [--seq 64] [--batches 64]
+        [--pairs 15]
     python benchmarks/profile/private_parts.py --products [--batches 256] [--pairs 20]
     python benchmarks/profile/private_parts.py --flops [--mlp] [--batches 16 256]
     python benchmarks/profile/private_parts.py --memory [--mlp | --convnet] [--gpu-branches]
@@ -66,7 +67,8 @@ machine, an estimate of a GPU's step where none is lent (its memory is packed by
 scheduler, not the GPU's).
 
 ``--recurrent NAME`` does the same on a model of ``benchmarks/recurrent.py`` (``eqx-gru``,
-``eqx-lstm-lm``, ``flax-lstm``, ``jax-lstm``, ``eqx-convnet``; at batch 64 by default).
+``eqx-lstm-lm``, ``flax-lstm``, ``jax-lstm``, ``hk-deeprnn``, ``eqx-convnet``; at batch 64 by
+default, and at ``--seq`` steps where given).
 
 ``--dtype bfloat16`` (or ``float16``) casts the model's parameters and floating-point inputs
 (timed, counted, sized or profiled; not with ``--grams`` or ``--products``): the ghost engine
@@ -390,9 +392,15 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument(
         "--recurrent",
-        choices=["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "eqx-convnet"],
+        choices=["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "hk-deeprnn", "eqx-convnet"],
         default=None,
         help="a model of benchmarks/recurrent.py in place of the transformer",
+    )
+    parser.add_argument(
+        "--seq",
+        type=_timing.count,
+        default=None,
+        help="the --recurrent model's sequence length (default: recurrent.py's, 32)",
     )
     parser.add_argument(
         "--products", action="store_true", help="the MLP's first clipped-sum product, 3 ways"
@@ -442,6 +450,8 @@ def main(argv=None) -> list[dict]:
         parser.error(
             "--gpu-branches builds the ghost steps: not with --kernels, --grams or --products"
         )
+    if args.seq is not None and not args.recurrent:
+        parser.error("--seq sets a --recurrent model's sequence length: only with --recurrent")
     if args.grams and (args.mlp or args.convnet):
         parser.error("--grams times the transformer's output layer: not with --mlp or --convnet")
     if args.products and (args.grams or args.mlp or args.convnet):
@@ -474,7 +484,8 @@ def main(argv=None) -> list[dict]:
     if args.recurrent:
         import recurrent
 
-        loss, params, make_batch = recurrent.setups(recurrent.Shape())[args.recurrent]
+        sizes = recurrent.Shape() if args.seq is None else recurrent.Shape(seq=args.seq)
+        loss, params, make_batch = recurrent.setups(sizes)[args.recurrent]
         batches = tuple(args.batches) if args.batches else (64,)
     params = models.cast(params, args.dtype)
     make_batch = _cast_batches(make_batch, args.dtype)

@@ -44,6 +44,10 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     at = lambda dims: [depth + 1 + d for d in dims]  # noqa: E731
     r_sum, c_sum = [depth, *at(o_free)], [depth, *at(out_o)]
     r_batch, c_batch = levels + at(o_batch), levels + at(range(len(o_batch)))
+    ones = [i for i, d in enumerate(r_sum) if record.shape[d] == 1]
+    if ones and len(ones) < len(r_sum):  # (a pair of size-1 dimensions contracts nothing)
+        record, r_sum, r_batch = _dropped(record, r_sum, r_batch, ones)
+        cotangent, c_sum, c_batch = _dropped(cotangent, c_sum, c_batch, ones)
     if _adjacent(r_sum) and _adjacent(c_sum):
         record, r_sum, r_batch = _merged(record, r_sum, r_batch)
         cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
@@ -94,6 +98,16 @@ def _merged(x, summed: list, batch: list):
     n, start = len(summed), summed[0]
     x = x.reshape(*x.shape[:start], -1, *x.shape[start + n :])
     return x, [start], [d if d < start else d - n + 1 for d in batch]
+
+
+def _dropped(x, summed: list, batch: list, ones: list):
+    """`x` without the size-1 dimensions ``summed[i]`` for `ones`' ``i``, and the dimension
+    numbers after it. Contracting them beside the examples (``(B*T, 1, C)`` with ``(B*T, O,
+    1)``) makes XLA's CPU runtime transpose an operand before its product."""
+    gone = [summed[i] for i in ones]
+    shift = lambda d: d - sum(g < d for g in gone)  # noqa: E731
+    x = x.reshape([n for d, n in enumerate(x.shape) if d not in gone])
+    return x, [shift(d) for d in summed if d not in gone], [shift(d) for d in batch]
 
 
 def conv_view_sum(site, value, record, cotangent, target: Target, depth: int):
