@@ -124,28 +124,29 @@ def exponents_of(x, axis: int):
     examples, as the tapped pass stacks records and output gradients), the exponent ``e`` of
     the power of two near that slice's largest magnitude (``2**(e-1) <= max|x| < 2**e``,
     int32): `_factors.ZERO_EXPONENT` for a slice that is 0, `FLAG` for one with an entry not
-    finite; 0 for an `x` not floating. One reduction, no copy of `x`, over one trailing axis
-    (`_one_trailing_axis`): XLA's CPU reduction over ``(..., S, 1)`` runs several times slower
-    than over ``(..., S)``."""
+    finite; 0 for an `x` not floating. One reduction, no copy of `x` (`_largest_magnitudes`:
+    XLA's CPU reduction over ``(..., S, 1)`` runs several times slower than over ``(..., S)``)."""
     lead = x.shape[: axis + 1]
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros(lead, jnp.int32)
-    return _flagged_exponent(jnp.max(jnp.abs(_one_trailing_axis(x, axis)), axis=-1))
+    return _flagged_exponent(_largest_magnitudes(x, axis))
 
 
 def exponent_of(x):
     """`exponents_of` of `x` as a whole (a scalar)."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros((), jnp.int32)
-    return _flagged_exponent(jnp.max(jnp.abs(_one_trailing_axis(x, -1)), axis=-1))
+    return _flagged_exponent(_largest_magnitudes(x, -1))
 
 
-def _one_trailing_axis(x, axis: int):
-    """`x` with its dimensions after `axis` merged into one (a bitcast), behind a barrier
-    that keeps XLA from folding the reshape back into the reduction that reads it."""
-    if x.ndim == axis + 2:
-        return x
-    return lax.optimization_barrier(x.reshape(*x.shape[: axis + 1], -1))
+def _largest_magnitudes(x, axis: int):
+    """``max |x|`` over the dimensions after `axis`. Where the last of several is of size 1,
+    they are merged into one first (a bitcast), behind a barrier that keeps XLA from folding
+    the reshape back into the reduction. Only there: elsewhere the barrier can cost a copy of
+    `x`."""
+    if x.ndim > axis + 2 and x.shape[-1] == 1:
+        x = lax.optimization_barrier(x.reshape(*x.shape[: axis + 1], -1))
+    return jnp.max(jnp.abs(x), axis=tuple(range(axis + 1, x.ndim)))
 
 
 def _flagged_exponent(m):
