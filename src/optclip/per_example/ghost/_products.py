@@ -48,10 +48,6 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     if ones and len(ones) < len(r_sum):  # (a pair of size-1 dimensions contracts nothing)
         record, r_sum, r_batch = _dropped(record, r_sum, r_batch, ones)
         cotangent, c_sum, c_batch = _dropped(cotangent, c_sum, c_batch, ones)
-    if not _adjacent(r_sum):
-        record, r_sum, r_batch = _summed_together(record, r_sum, r_batch)
-    if not _adjacent(c_sum):
-        cotangent, c_sum, c_batch = _summed_together(cotangent, c_sum, c_batch)
     if _adjacent(r_sum) and _adjacent(c_sum):
         record, r_sum, r_batch = _merged(record, r_sum, r_batch)
         cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
@@ -112,19 +108,6 @@ def _dropped(x, summed: list, batch: list, ones: list):
     shift = lambda d: d - sum(g < d for g in gone)  # noqa: E731
     x = x.reshape([n for d, n in enumerate(x.shape) if d not in gone])
     return x, [shift(d) for d in summed if d not in gone], [shift(d) for d in batch]
-
-
-def _summed_together(x, summed: list, batch: list):
-    """`x` transposed to ``(*batch, *summed, *free)`` (the free dimensions in their order: the
-    product's output is the same), and the dimension numbers after it, so that they merge into
-    one. XLA's CPU runtime otherwise transposes both operands of a product whose summed
-    dimensions are apart (a layer applied at every position, ``(B, T, C)`` against ``(B, O,
-    T)``); this transposes one. Done on every platform, so that the step makes no platform
-    choice for it."""
-    free = [d for d in range(x.ndim) if d not in (*batch, *summed)]
-    x = jnp.transpose(x, [*batch, *summed, *free])
-    start = len(batch)
-    return x, list(range(start, start + len(summed))), list(range(start))
 
 
 def conv_view_sum(site, value, record, cotangent, target: Target, depth: int):
