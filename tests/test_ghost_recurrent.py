@@ -328,3 +328,36 @@ def test_output_gradients_tapped_once_eagerly(case):
     padding = np.arange(B) == 1
     result = _step(loss, clip, "eager")(params, x, np.float32(1e-24), padding)
     _check(result, grads64, clip, padding=padding, magnitude=1e-24)
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs inside it, each platform's branch included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _equations(sub)
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", ["equinox GRUCell", "equinox LSTMCell"])
+def test_no_reduction_or_sum_contracts_a_size_1_dimension_beside_others(name):
+    """A cell vmapped over the batch, as Equinox models are, makes its products' operands and
+    output gradients end in a size-1 dimension. The exponents' reductions take such an array
+    over one merged dimension, and a dense site's clipped sum contracts no size-1 dimension
+    beside the examples': XLA's CPU runtime runs a reduction over ``(..., S, 1)`` several
+    times slower, and transposes an operand of a product that contracts ``(B*T, 1, C)``
+    with ``(B*T, O, 1)``. (The numbers are checked by the tests above.)"""
+    loss, params, x, _ = built(name)
+    step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    eqns = list(_equations(jax.make_jaxpr(step)(params, x).jaxpr))
+    reductions = [e for e in eqns if e.primitive.name == "reduce_max"]
+    products = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert reductions and products
+    for eqn in reductions:
+        shape, axes = eqn.invars[0].aval.shape, eqn.params["axes"]
+        last_of_several = len(axes) > 1 and len(shape) - 1 in axes
+        assert not (last_of_several and shape[-1] == 1), eqn
+    for eqn in products:
+        (contract, _), _ = eqn.params["dimension_numbers"]
+        shape = eqn.invars[0].aval.shape
+        assert len(contract) == 1 or all(shape[d] != 1 for d in contract), eqn
