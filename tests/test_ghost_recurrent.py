@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import run
+from reference import equations, run
 
 import optclip
 
@@ -330,14 +330,6 @@ def test_output_gradients_tapped_once_eagerly(case):
     _check(result, grads64, clip, padding=padding, magnitude=1e-24)
 
 
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs inside it, each platform's branch included."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            yield from _equations(sub)
-
-
 @pytest.mark.every_case
 @pytest.mark.parametrize("name", ["equinox GRUCell", "equinox LSTMCell"])
 def test_no_reduction_or_sum_contracts_a_size_1_dimension_beside_others(name):
@@ -349,7 +341,7 @@ def test_no_reduction_or_sum_contracts_a_size_1_dimension_beside_others(name):
     with ``(B*T, O, 1)``. (The numbers are checked by the tests above.)"""
     loss, params, x, _ = built(name)
     step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
-    eqns = list(_equations(jax.make_jaxpr(step)(params, x).jaxpr))
+    eqns = list(equations(jax.make_jaxpr(step)(params, x).jaxpr))
     reductions = [e for e in eqns if e.primitive.name == "reduce_max"]
     products = [e for e in eqns if e.primitive.name == "dot_general"]
     assert reductions and products
