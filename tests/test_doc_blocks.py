@@ -96,8 +96,17 @@ def test_pages_have_python_examples_with_their_output():
     assert sum(block.expected is not None for block in BLOCKS) >= 10
 
 
-@pytest.mark.every_case  # every block of every page is checked in the fast tier
-@pytest.mark.parametrize("block", BLOCKS, ids=[block.name for block in BLOCKS])
+# The README's blocks run in the fast tier; the guides' blocks, which compile a model or a
+# training loop each as users do, in the slow tier (CI runs both).
+@pytest.mark.every_case
+@pytest.mark.parametrize(
+    "block",
+    [
+        b if b.page == "README.md" else pytest.param(b, marks=pytest.mark.slow)
+        for b in BLOCKS
+    ],
+    ids=[block.name for block in BLOCKS],
+)
 def test_block_prints_what_the_page_says(block, as_users_compile_module, several_devices):
     if doc_blocks.devices(ROOT / block.page) > 1:
         printed = several_devices(block)

@@ -111,6 +111,8 @@ def test_example_runs(name, quick_runs):
 
 
 # ---- the demo: statistics over seeds --------------------------------------------------------
+# (The tests that read `demo_runs` are slow: the demo trains 3 seeds for 40 steps twice, compiled
+# as users compile.)
 
 DEMO_STEPS = 40  # every unclipped seed overflows within this many steps (README: 14 to 30)
 DEMO_SEEDS = (0, 1, 2)
@@ -130,6 +132,7 @@ def demo_runs(demo):
     }
 
 
+@pytest.mark.slow
 def test_demo_overflows_without_clipping_and_not_with_global_clip(demo, demo_runs):
     unclipped, clipped = demo_runs["no clipping"], demo_runs["global_clip"]
     # Without clipping every seed's loss is NaN or inf between steps 14 and 30 (README), after
@@ -149,6 +152,7 @@ def test_demo_overflows_without_clipping_and_not_with_global_clip(demo, demo_run
     assert len(set(clipped["losses"][:, 0].tolist())) == len(DEMO_SEEDS)
 
 
+@pytest.mark.slow
 def test_demo_reads_global_clip_state(demo_runs):
     clipped = demo_runs["global_clip"]
     # clip_count comes from the vmapped state: one counter per seed, equal to the steps whose
@@ -161,6 +165,7 @@ def test_demo_reads_global_clip_state(demo_runs):
     assert demo_runs["no clipping"]["clip_count"] is None
 
 
+@pytest.mark.slow
 def test_demo_recurrent_gradient_grows_without_clipping(demo, demo_runs):
     # README: each seed's recurrent-weight gradient norm grew at least 177-fold in three steps.
     norms = demo_runs["no clipping"]["recurrent_grad_norms"][:, : demo.GROWTH_STEPS]
@@ -231,6 +236,7 @@ def test_demo_statistics_on_synthetic_runs(demo):
     assert demo.summarize(stated)["clipped_steps_median"] == 4.0
 
 
+@pytest.mark.slow
 def test_demo_table_prints_the_statistics(demo, demo_runs):
     results = list(demo_runs.values())
     lines = demo.format_table(results).splitlines()
@@ -268,6 +274,7 @@ def band_of(ax, label):
     return band, vertices
 
 
+@pytest.mark.slow
 def test_demo_plot(demo, demo_runs, tmp_path):
     from matplotlib import image  # the test extra installs matplotlib: never skipped
     from matplotlib.backends.backend_agg import FigureCanvasAgg

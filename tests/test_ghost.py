@@ -971,8 +971,8 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypat
 @pytest.mark.parametrize(
     "model, dtype",
     [
-        ("mlp", jnp.bfloat16),
         ("mlp", jnp.float16),
+        pytest.param("mlp", jnp.bfloat16, marks=pytest.mark.slow),
         pytest.param("sequence", jnp.bfloat16, marks=pytest.mark.slow),
     ],
 )
@@ -2516,6 +2516,7 @@ def test_the_output_gradients_are_held_row_major_on_every_platform(remat):
     assert sorted(PINNED.findall(lowered("cpu"))) == pinned
 
 
+@pytest.mark.slow  # (two programs of each model, compiled as users compile)
 @pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("name", ["scanned", "transformer"])
 def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypatch):

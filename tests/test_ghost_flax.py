@@ -120,6 +120,7 @@ def test_flax_models_match_the_reference_and_go_ghost(case):
         np.testing.assert_allclose(a, e, atol=1e-5 * scale)
 
 
+@pytest.mark.slow  # (a Linen transformer in bfloat16: the slowest of the module's compiles)
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 def test_a_model_computed_in_bfloat16_goes_ghost(mode):
     """The Linen model computed in bfloat16 with float32 parameters (``dtype=jnp.bfloat16``,

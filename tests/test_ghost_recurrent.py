@@ -155,8 +155,9 @@ MODELS = {
     "lax.scan LSTM, fused gates split": fused_lstm,
 }
 # (The fused LSTM's split gates are in the fast tier's `test_ghost_parts.py` too.)
+SLOW_MODELS = ("flax nn.RNN(GRUCell)", "lax.scan LSTM, fused gates split")
 FAST = [
-    n if n != "lax.scan LSTM, fused gates split" else pytest.param(n, marks=pytest.mark.slow)
+    n if n not in SLOW_MODELS else pytest.param(n, marks=pytest.mark.slow)
     for n in MODELS
 ]
 
