@@ -101,10 +101,7 @@ def test_pages_have_python_examples_with_their_output():
 @pytest.mark.every_case
 @pytest.mark.parametrize(
     "block",
-    [
-        b if b.page == "README.md" else pytest.param(b, marks=pytest.mark.slow)
-        for b in BLOCKS
-    ],
+    [b if b.page == "README.md" else pytest.param(b, marks=pytest.mark.slow) for b in BLOCKS],
     ids=[block.name for block in BLOCKS],
 )
 def test_block_prints_what_the_page_says(block, as_users_compile_module, several_devices):

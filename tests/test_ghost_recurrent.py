@@ -156,10 +156,7 @@ MODELS = {
 }
 # (The fused LSTM's split gates are in the fast tier's `test_ghost_parts.py` too.)
 SLOW_MODELS = ("flax nn.RNN(GRUCell)", "lax.scan LSTM, fused gates split")
-FAST = [
-    n if n not in SLOW_MODELS else pytest.param(n, marks=pytest.mark.slow)
-    for n in MODELS
-]
+FAST = [n if n not in SLOW_MODELS else pytest.param(n, marks=pytest.mark.slow) for n in MODELS]
 
 
 @functools.cache
