@@ -97,10 +97,11 @@ def test_versions_comparison_runs_against_an_earlier_commit():
 
 
 # Scripts run in a process of their own, bounded in time: `compile.py` clears JAX's caches (the
-# later tests of this process would trace again), and `private_eager.py` starts processes of
-# its own. The others run in the test's process (their `main`, `sys.argv` theirs): a process of
-# their own would spend 5 s or more on its imports.
-OWN_PROCESS = ("compile.py", "profile/private_eager.py")
+# later tests of this process would trace again), `private_eager.py` starts processes of its
+# own, and `compile_phases.py` sets XLA's logging before JAX starts. The others run in the
+# test's process (their `main`, `sys.argv` theirs): a process of their own would spend 5 s or
+# more on its imports.
+OWN_PROCESS = ("compile.py", "profile/private_eager.py", "profile/compile_phases.py")
 
 
 def run_private(tmp_path, *args, script="private.py"):
@@ -121,7 +122,7 @@ def run_private(tmp_path, *args, script="private.py"):
         ):
             load(script).main(argv[1:])
     data = json.loads(out.read_text())
-    if script not in ("private.py", "compile.py", "recurrent.py"):
+    if script not in ("private.py", "compile.py", "recurrent.py", "profile/compile_phases.py"):
         return data  # (the profilers write their rows alone)
     # A run as benchmarks/results/ keeps it: the command that made it and the machine.
     assert data["command"].startswith("python ") and "--json" in data["command"], data["command"]
@@ -657,6 +658,34 @@ def test_the_compile_benchmark_measures_every_method_on_each_model(tmp_path):
     table = load("compile.py").markdown(rows)
     for r in rows:
         assert f"| {r['model']} | {r['method']} |" in table, table
+
+
+@pytest.mark.slow
+def test_the_compile_phases_are_read_from_xlas_log(tmp_path):
+    """benchmarks/profile/compile_phases.py: the non-private and the ghost step's compile split
+    into XLA's HLO passes, the kernels' emission and LLVM, each phase within the compile's
+    wall time; a count out of range is refused."""
+    rows = run_private(
+        tmp_path, "--only", "mlp-4", "--repeats", "1", script="profile/compile_phases.py"
+    )
+    assert [r["method"] for r in rows] == ["jax.grad (non-private)", "optclip.clipped_grad"]
+    for r in rows:
+        phases = (r["passes_s"], r["emit_s"], r["llvm_s"])
+        assert all(0 < s < r["compile_s"] for s in phases), r
+        assert sum(phases) <= r["compile_s"] * 1.05, r
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "profile" / "compile_phases.py"),
+            "--passes",
+            "-1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "must be a whole number of at least 0" in proc.stderr, proc
 
 
 def test_the_guide_and_the_design_pages_show_the_saved_compile_run():
