@@ -1,5 +1,5 @@
-"""The examples: the demo's training runs, plot and printout (in-process), and every example
-script in a quick mode (a subprocess each: the slow tier)."""
+"""The examples: the demo's training runs, plot and printout (in-process; those that train, the
+slow tier), and every example script in a quick mode (a subprocess each: the slow tier)."""
 
 import ast
 import importlib.util
