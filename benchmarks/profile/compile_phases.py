@@ -45,6 +45,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import _private_models as models  # noqa: E402
+import _timing  # noqa: E402
 import jax  # noqa: E402
 from compile import BATCH, MODELS, machine, maker  # noqa: E402
 from private import GHOST, NON_PRIVATE  # noqa: E402
@@ -115,12 +116,12 @@ def measure_once(make, params, batch) -> tuple[dict, collections.Counter]:
         start = datetime.datetime.now()
         lowered.compile()
         took = (datetime.datetime.now() - start).total_seconds()
-    module = "jit_" + re.search(r"module @(\S+?) ", lowered.as_text())[1].removeprefix("jit_")
+    module = re.search(r"module @(\S+?) ", lowered.as_text())[1]
     seconds, per_pass = phases(lines, module)
     return dict(seconds, compile_s=took), per_pass
 
 
-def measure(name: str, repeats: int, passes: int) -> list[dict]:
+def measure(name: str, repeats: int, passes: int | None) -> list[dict]:
     about, setup = MODELS[name]
     loss, params, batch = setup()
     n_params = models.parameter_count(params)
@@ -144,20 +145,11 @@ def measure(name: str, repeats: int, passes: int) -> list[dict]:
     return rows
 
 
-def whole(least: int):
-    def parse(text: str) -> int:
-        if not text.isdigit() or int(text) < least:
-            raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of at least {least}")
-        return int(text)
-
-    return parse
-
-
 def main(argv=None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", nargs="+", choices=sorted(MODELS), default=["mlp-4", "mlp-24"])
-    parser.add_argument("--repeats", type=whole(1), default=3)
-    parser.add_argument("--passes", type=whole(0), default=0, help="the slowest HLO passes to list")
+    parser.add_argument("--repeats", type=_timing.count, default=3)
+    parser.add_argument("--passes", type=_timing.count, help="the slowest HLO passes to list")
     parser.add_argument("--json", type=pathlib.Path, default=None)
     args = parser.parse_args(argv)
     if jax.default_backend() != "cpu":
