@@ -435,6 +435,28 @@ def test_a_record_is_normalized_exactly_at_every_exponent(dtype):
     np.testing.assert_array_equal(got, [[0.75, -0.25], [0.5, 0.25], [0.0, 0.0]])
 
 
+def test_a_scanned_weights_steps_take_one_exponent_per_example():
+    # `_interpret.exponents_of` with `sliced`: a scan level along which the weight is the
+    # same at every step (not sliced) is reduced too and kept as size 1, so each example has
+    # one exponent for all its steps (the largest), its steps scaled by it exactly; a sliced
+    # level keeps one per step; a step not finite flags its example. Steps 2**-110 below the
+    # largest are kept exactly (not flushed): the scaled copy is normal down to 2**-126.
+    from optclip.per_example.ghost import _interpret
+
+    steps = np.asarray([2.0**-80, 2.0**30, 3.0], np.float64)[:, None, None]  # (T, 1, 1)
+    x = steps * np.asarray([[1.0, -0.5], [0.75, 0.25]])[None]  # (T=3, B=2, S=2)
+    x[0, 1] = [2.0**-90, 0.0]  # (example 1's largest at step 1 all the same)
+    e = _interpret.exponents_of(jnp.asarray(x, jnp.float32), 1, (False,))
+    assert e.shape == (1, 2) and list(np.asarray(e[0])) == [31, 30]
+    got = np.asarray(_interpret.scaled(jnp.asarray(x, jnp.float32), e), np.float64)
+    np.testing.assert_array_equal(got, x * 2.0 ** -np.asarray(e, np.float64)[..., None])
+    per_step = _interpret.exponents_of(jnp.asarray(x, jnp.float32), 1, (True,))
+    assert per_step.shape == (3, 2) and list(np.asarray(per_step[2])) == [2, 2]
+    x[2, 0, 1] = np.nan
+    e = _interpret.exponents_of(jnp.asarray(x, jnp.float32), 1, (False,))
+    assert list(np.asarray(e[0])) == [_interpret.FLAG, 30]
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_powers_of_two_are_exact_normal_halves_at_every_exponent(dtype):
     # `_factors.powers_of_two`: each half exact and normal, their product 2**k, for every k

@@ -119,17 +119,26 @@ FLAG = 2**22
 FLAGGED = 2**21
 
 
-def exponents_of(x, axis: int):
+def exponents_of(x, axis: int, sliced: tuple | None = None):
     """Per index of `x`'s first ``axis + 1`` dimensions (the layers of the scans, then the
     examples, as the tapped pass stacks records and output gradients), the exponent ``e`` of
     the power of two near that slice's largest magnitude (``2**(e-1) <= max|x| < 2**e``,
     int32): `_factors.ZERO_EXPONENT` for a slice that is 0, `FLAG` for one with an entry not
     finite; 0 for an `x` not floating. One reduction, no copy of `x` (`_largest_magnitudes`:
-    XLA's CPU reduction over ``(..., S, 1)`` runs several times slower than over ``(..., S)``)."""
+    XLA's CPU reduction over ``(..., S, 1)`` runs several times slower than over ``(..., S)``).
+
+    `sliced` (one per level, the first `axis` dimensions; None: all): the levels whose slices
+    get their own exponent. The others (a weight applied at every step of its scan, whose
+    steps' terms are added) are reduced too, and kept as size 1: one exponent per example for
+    all of those steps, so that they are not brought to a common one afterwards."""
     lead = x.shape[: axis + 1]
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros(lead, jnp.int32)
-    return _flagged_exponent(_largest_magnitudes(x, axis))
+    m = _largest_magnitudes(x, axis)
+    over = () if sliced is None else tuple(i for i, s in enumerate(sliced) if not s)
+    if over:  # (then over the steps: a small array, not a reduction of `x` across its layout)
+        m = jnp.max(m, axis=over, keepdims=True)
+    return _flagged_exponent(m)
 
 
 def exponent_of(x):

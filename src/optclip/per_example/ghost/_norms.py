@@ -50,16 +50,18 @@ def aligned(site, x, e):
     exponents `e` (``(*levels, B)``), the levels at which the site's view is the same at
     every iteration (a weight applied at every step of its scan, whose uses are summed) brought
     to their largest exponent (a multiply by a power of two <= 1), so that one exponent holds
-    for all of them: ``(x, e)`` with `e` shaped ``(L, B)``, ``L`` the sliced levels."""
+    for all of them: ``(x, e)`` with `e` shaped ``(L, B)``, ``L`` the sliced levels. Levels
+    whose exponents the tapped pass took as one already (size 1, `_interpret.exponents_of`)
+    are left as they are."""
     sliced = _factors.sliced_levels(site)
-    const = tuple(i for i, s in enumerate(sliced) if not s)
+    const = tuple(i for i, s in enumerate(sliced) if not s and e.shape[i] > 1)
     if const:
         top = jnp.max(e, axis=const, keepdims=True)
         shift = jnp.where(top == ZERO, 0, jnp.maximum(e - top, 2 * ZERO))
         first, second = _factors.powers_of_two(shift, x.dtype)
         at = lambda h: h.reshape(h.shape + (1,) * (x.ndim - h.ndim))  # noqa: E731
         x = (x * at(first)) * at(second)
-        e = jnp.squeeze(top, const)
+        e = top
     return x, e.reshape(-1, e.shape[-1])
 
 
