@@ -445,7 +445,7 @@ def test_a_scanned_weights_steps_take_one_exponent_per_example():
 
     steps = np.asarray([2.0**-80, 2.0**30, 3.0], np.float64)[:, None, None]  # (T, 1, 1)
     x = steps * np.asarray([[1.0, -0.5], [0.75, 0.25]])[None]  # (T=3, B=2, S=2)
-    x[0, 1] = [2.0**-90, 0.0]  # (example 1's largest at step 1 all the same)
+    x[0, 1] = [2.0**-90, 0.0]  # (example 1's first step: a zero, and 2**-120 of its largest)
     e = _interpret.exponents_of(jnp.asarray(x, jnp.float32), 1, (False,))
     assert e.shape == (1, 2) and list(np.asarray(e[0])) == [31, 30]
     got = np.asarray(_interpret.scaled(jnp.asarray(x, jnp.float32), e), np.float64)

@@ -36,7 +36,8 @@ class Tapped:
     exponent)}``) of the tapped sites, each `scaled` by its exponent per layer and example: the
     arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the
     examples, as a scan stacks them: the examples' axis of each is in `record_axes` and
-    `grad_axes`), the exponents ``(*levels, B)``; the materialised leaves' per-example
+    `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level along which the weights
+    that read them are the same at every step; the materialised leaves' per-example
     gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
 
     losses: Any
