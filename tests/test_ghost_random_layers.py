@@ -30,19 +30,24 @@ EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))
 
 def check(loss, params, x, clip, leaf):
     """`clipped_grad`'s norms and clipped sum, jitted, against float64: each entry within
-    `RTOL` (of the norm; of its leaf's largest entry), or no further than four times
-    ``method="vmap"``'s entry (a model whose float32 forward pass rounds away more: a random
-    one may). Returns the mode `leaf` went by."""
-    norms, sums = gm.reference(loss, params, x, clip)
+    `RTOL` (of the norm; of the largest entry of its leaf's sum of the clipped gradients'
+    magnitudes, the scale of a sum's rounding: two examples' terms that cancel leave their
+    rounding, not 0), or no further than four times ``method="vmap"``'s entry (a model whose
+    float32 forward pass rounds away more: a random one may). Returns the mode `leaf` went
+    by."""
+    grads = gm.per_example_grads(loss, params, x)
+    norms, sums = gm.reference_from(grads, clip)
+    _, magnitudes = gm.reference_from(jax.tree.map(np.abs, grads), clip)
     out = {}
     for method in ("auto", "vmap"):
         g = optclip.clipped_grad(loss, l2_clip_norm=clip, return_grad_norms=True, method=method)
         grads, aux = jax.jit(g)(params, x)
         out[method] = [aux.grad_norms, *jax.tree.leaves(grads)]
     expected = [norms, *jax.tree.leaves(sums)]
-    for i, (got, vmap, e) in enumerate(zip(*out.values(), expected, strict=True)):
+    scales = [norms, *jax.tree.leaves(magnitudes)]
+    for i, (got, vmap, e, m) in enumerate(zip(*out.values(), expected, scales, strict=True)):
         got, vmap = np.asarray(got, np.float64), np.asarray(vmap, np.float64)
-        largest = np.max(np.abs(e), initial=0)
+        largest = np.max(np.abs(m), initial=0)
         bound = RTOL * (np.abs(e) + 0.1 * largest if i == 0 else largest)
         bound = np.maximum(bound, 4 * np.abs(vmap - e))
         off = ~(np.abs(got - e) <= bound)  # (NaN is off)
@@ -366,6 +371,9 @@ def product_case(**changes):
 @product_case(scan="stacked", twice=True, view="negated", looped=True, magnitude=1e-18)
 # (the same weight at every step of a scan and outside it, scaled)
 @product_case(scan="same", twice=True, view="scaled", clip=1e30)
+# (two examples' clipped gradients that cancel to 1e-17 of each: their float32 rounding,
+# 1 ulp of 0.1, is left)
+@product_case(sizes={"c0": 1}, weight=["c0"], input=["c0"], batch=2, magnitude=1e18, seed=0)
 def test_random_dense_products_match_the_float64_reference(c):
     loop_work = _norms.LOOP_WORK
     _norms.LOOP_WORK = 0 if c["looped"] else loop_work  # (the norms one example at a time)
