@@ -16,7 +16,7 @@ import tempfile
 
 import jax
 import pytest
-from _workers import launch
+from _workers import compile_setting, launch
 
 _CACHE = "JAX_COMPILATION_CACHE_DIR"
 _OWN_CACHE: list[str] = []  # (the cache this run made, removed when it ends)
@@ -46,16 +46,18 @@ _TRUTH.update({"n": False, "no": False, "f": False, "false": False, "off": False
 
 def _compile_with_few_optimizations():
     """The tests' programs compiled with JAX's ``jax_disable_most_optimizations`` (LLVM's
-    optimizations off, for code whose compile costs more than its run), unless the environment
-    sets ``JAX_DISABLE_MOST_OPTIMIZATIONS`` itself (``=0``: as users compile). XLA's passes on
-    the program are the same: the optimized HLO, its memory analysis and its values, to
-    rounding, are users'. A test of the same bits from two programs, or of printed output
-    against what a page quotes, compiles as users' programs do (`as_users_compile`,
-    `as_users_compile_module`). Every subprocess inherits the setting."""
+    optimizations off, for code whose compile costs more than its run) and XLA's older fusion
+    emitters on a CPU (`compile_setting`), unless the environment sets
+    ``JAX_DISABLE_MOST_OPTIMIZATIONS`` itself (``=0``: as users compile). Values agree with
+    users' to rounding. A test of the same bits from two programs, of a compiled program's text
+    or memory, or of printed output against what a page quotes, compiles as users' programs do
+    (`as_users_compile`, `as_users_compile_module`). Every subprocess inherits the setting; the
+    8-device workers follow it too."""
     value = os.environ.setdefault(_FEW_OPTIMIZATIONS, "1")
     if value.lower() not in _TRUTH:
         raise pytest.UsageError(f"{_FEW_OPTIMIZATIONS}={value!r} is neither true nor false")
     jax.config.update("jax_disable_most_optimizations", _TRUTH[value.lower()])
+    compile_setting.follow_few_optimizations()
 
 
 @contextlib.contextmanager

@@ -23,9 +23,12 @@ def main():
     import ghost_models as gm
     import jax
     import numpy as np
+    from _workers import compile_setting
     from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
     from optclip.per_example.ghost import _norms
+
+    compile_setting.follow_few_optimizations()  # (as the test processes compile)
 
     loop_work = _norms.LOOP_WORK
     cases = (

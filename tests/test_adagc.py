@@ -469,6 +469,7 @@ def elementwise_ops(tx, n=1 << 16):
     return count
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_scale_is_not_recomputed_for_every_element():
     """Each leaf's scale is computed once: the loop that scales a leaf does about as much work
     per element as global_clip's (the first version recomputed the scale from gamma in that

@@ -501,6 +501,7 @@ def test_the_parts_benchmark_gives_the_engine_back():
     assert (_norms.norms, _sums.clipped, _norms.LOOP_WORK) == before
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_the_parts_benchmark_compiles_the_gpus_branches_here():
     """`private_parts.gpu_branches`: a step whose engine asks for its platform (the norms one
     example at a time on a CPU, a loop) compiled for this machine takes the GPU's branch (no

@@ -24,9 +24,11 @@ import sys
 import tomllib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from _workers import doc_blocks, launch
+from jax._src import compiler  # (private: what the tests' compile setting wraps)
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -284,5 +286,31 @@ def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
                 raise RuntimeError("inside")
         assert jax.config.values[name] is True and os.environ[FEW] == "1"
         assert f._cache_size() == 0  # (cleared on the way out)
+    finally:
+        jax.config.update(name, before)
+
+
+def test_xlas_older_fusion_emitters_only_with_few_optimizations():
+    """`compile_setting`: a program compiled with few optimizations asks XLA's CPU backend for
+    its older fusion emitters (a lone reduction is then left unwrapped), and one compiled as
+    users' programs are does not."""
+    from _workers import compile_setting
+
+    assert compile_setting.follow_few_optimizations()
+    x = jax.ShapeDtypeStruct((4, 8), np.float32)
+
+    def compiled_text():
+        return jax.jit(lambda a: jnp.max(a, axis=0)).lower(x).compile().as_text()
+
+    name = "jax_disable_most_optimizations"
+    before = jax.config.values[name]
+    try:
+        for few, wrapped in ((True, False), (False, True)):
+            jax.config.update(name, few)
+            options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+            asked = dict(options.env_option_overrides).get(compile_setting.OPTION[0])
+            assert asked == (False if few else None), (few, asked)
+            if jax.default_backend() == "cpu":
+                assert (" fusion(" in compiled_text()) is wrapped, few
     finally:
         jax.config.update(name, before)

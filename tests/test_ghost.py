@@ -476,6 +476,7 @@ def test_powers_of_two_are_exact_normal_halves_at_every_exponent(dtype):
         assert np.all(np.isfinite(first) & np.isfinite(second))
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_step_has_no_conditional_at_any_depth(dtype):
     """No `cond` per site, leaf or layer: the platform's route is chosen once per step (one
@@ -969,6 +970,7 @@ def test_float16_sides_weighted_below_their_precision_keep_it(mode):
         assert_tree_close(run(g, mode)(params, x), sums, rtol=2e-3)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypatch):
     """`Tapped.example` on bfloat16 records: XLA on a CPU slices a bfloat16 array in float32,
     and hoisted a float32 copy of each whole record and output gradient out of each loop over
@@ -2563,6 +2565,7 @@ def test_holding_the_output_gradients_row_major_changes_no_value(name, monkeypat
             np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_the_output_gradient_is_kept_once_not_beside_its_scaled_copy():
     # A model whose largest tensor is its output layer's gradient (16 x 64 x 2048 logits):
     # the tap gives that gradient itself and its exponent, and it is scaled after the

@@ -211,6 +211,7 @@ def reads_in_entry(text: str, shape: str) -> list:
     ]
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_group_norms_cost_no_second_pass_over_the_gradients():
     """The per-leaf norms come from the global norm's own partial sums: outside the rare
     overflow fallback, the compiled program reads each stack of leaves once, with groups as
@@ -226,6 +227,7 @@ def test_group_norms_cost_no_second_pass_over_the_gradients():
     assert reads_of_the_stacks("leaf") == reads_of_the_stacks(None) == [1, 1]
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_per_layer_norms_cost_no_second_pass_over_the_gradients():
     """A stacked leaf is reduced once, over every axis but its layer axis (one partial sum per
     layer): the compiled program reads it twice (its norm, then the scaling) with per-layer

@@ -451,6 +451,7 @@ def step_passes(opt):
     return _passes.passes_of(lambda g, s, p: opt.update(g, s, p), (grads, opt.init(params), params))
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 @pytest.mark.parametrize(
     "clip", ["global_clip", "norm_clip", "value_clip", "agc", "autoclip", "zclip", "adagc", "none"]
 )
@@ -463,6 +464,7 @@ def test_loss_scaling_costs_no_pass_over_the_gradients(clip):
     assert step_passes(scaled) == step_passes(without) + extra
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_jmp_and_optax_read_the_gradients_more_often():
     jmp = pytest.importorskip("jmp")
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
@@ -490,6 +492,7 @@ def test_jmp_and_optax_read_the_gradients_more_often():
     assert theirs >= ours + 3  # unscale, all_finite, clip's norm, clip's scaling, select
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_pass_counter_counts_an_unscaled_copy():
     """The counter itself: a clip that is not optclip's gets a written-out unscaled copy."""
     opt = optclip.guarded(optax.adam(1e-3), clip=optax.clip_by_global_norm(1.0), loss_scale=True)

@@ -391,6 +391,7 @@ def test_empty_tree():
     assert optclip.per_example_layer_clip({}, 1.0, return_norms=True) == ({}, {}, {})
 
 
+@pytest.mark.usefixtures("as_users_compile")  # (a compiled program's text or memory)
 def test_no_clipped_copy_of_the_batch_is_made():
     """One contraction per leaf with the scales: the compiled function's temporaries are much
     smaller than the batch (a per-example clipped copy would be as large)."""

@@ -30,6 +30,7 @@ import optclip
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 sys.path.insert(1, str(pathlib.Path(__file__).resolve().parent.parent))  # (ghost_models)
+import compile_setting  # noqa: E402  (tests/_workers/compile_setting.py)
 from multidevice import (  # noqa: E402  (the helpers and references of the one-process checks)
     RESULTS,
     check_hlo,
@@ -177,6 +178,7 @@ def main():
     process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
+    compile_setting.follow_few_optimizations()  # (as the test processes compile)
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=num_processes,

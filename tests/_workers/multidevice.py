@@ -37,6 +37,7 @@ import optclip
 from optclip.norms import _groups, _norms
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+import compile_setting  # noqa: E402  (tests/_workers/compile_setting.py)
 import launch  # noqa: E402  (tests/_workers/launch.py: the sections' names and tiers)
 import reference  # noqa: E402  (tests/reference.py: the float64 references)
 
@@ -1262,6 +1263,7 @@ def main(names: list[str]):
     """Runs the sections named (every one if none is), each under `group`, and prints each
     one's time to stderr."""
     jax.config.update("jax_numpy_dtype_promotion", "strict")  # as in tests/conftest.py
+    compile_setting.follow_few_optimizations()  # (as the test processes compile)
     if jax.device_count() != 8:
         sys.exit("Needs 8 devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
     assert list(SECTIONS) == list(launch.SECTIONS), "launch.SECTIONS lists these sections"
