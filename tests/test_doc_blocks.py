@@ -291,9 +291,9 @@ def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
 
 
 def test_xlas_older_fusion_emitters_only_with_few_optimizations():
-    """`compile_setting`: a program compiled with few optimizations asks XLA's CPU backend for
-    its older fusion emitters (a lone reduction is then left unwrapped), and one compiled as
-    users' programs are does not."""
+    """`compile_setting`: a program compiled for a CPU with few optimizations asks XLA for its
+    older fusion emitters (a lone reduction is then left unwrapped); one compiled as users'
+    programs are does not, nor one compiled for an accelerator."""
     from _workers import compile_setting
 
     assert compile_setting.follow_few_optimizations(), (
@@ -307,13 +307,19 @@ def test_xlas_older_fusion_emitters_only_with_few_optimizations():
 
     name = "jax_disable_most_optimizations"
     before = jax.config.values[name]
+
+    def asked(backend):
+        options = compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
+        return dict(options.env_option_overrides).get(compile_setting.OPTION[0])
+
+    cpu = jax.devices("cpu")[0].client
     try:
         for few, wrapped in ((True, False), (False, True)):
             jax.config.update(name, few)
-            options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
-            asked = dict(options.env_option_overrides).get(compile_setting.OPTION[0])
-            assert asked == (False if few else None), (few, asked)
+            assert asked(cpu) == (False if few else None), few
             if jax.default_backend() == "cpu":
                 assert (" fusion(" in compiled_text()) is wrapped, few
+            else:  # (an accelerator's compile: the option is the CPU backend's only)
+                assert asked(jax.devices()[0].client) is None, few
     finally:
         jax.config.update(name, before)

@@ -7,12 +7,12 @@ unwrapped instead of giving it a fusion of its own, so the optimized HLO is not 
 a test that reads a compiled program's text or memory compiles as users do
 (`conftest.as_users_compile`).
 
-`follow_few_optimizations` makes every compile of this process ask for the older emitters
-whenever ``jax_disable_most_optimizations`` is on, and only then, so that the fixtures that turn
-JAX's optimizations back on (`as_users_compile`) give users' programs. The test processes and
-the 8-device workers call it. JAX has no public setting for a compile option of every program,
-so it wraps `jax._src.compiler.get_compile_options`; where a JAX version lacks it, nothing
-changes but the time.
+`follow_few_optimizations` makes every compile of this process for a CPU ask for the older
+emitters whenever ``jax_disable_most_optimizations`` is on, and only then, so that the fixtures
+that turn JAX's optimizations back on (`as_users_compile`) give users' programs. The test
+processes and the 8-device workers call it. JAX has no public setting for a compile option of
+every program, so it wraps `jax._src.compiler.get_compile_options`; where a JAX version lacks
+it, nothing changes but the time.
 """
 
 from __future__ import annotations
@@ -37,9 +37,10 @@ def follow_few_optimizations() -> bool:
         return True
 
     @functools.wraps(original)
-    def get_compile_options(*args, **kwargs):
-        options = original(*args, **kwargs)
-        if jax.config.values["jax_disable_most_optimizations"] and jax.default_backend() == "cpu":
+    def get_compile_options(*args, backend=None, **kwargs):
+        options = original(*args, backend=backend, **kwargs)
+        platform = jax.default_backend() if backend is None else backend.platform
+        if jax.config.values["jax_disable_most_optimizations"] and platform == "cpu":
             overrides = dict(options.env_option_overrides)
             overrides.setdefault(*OPTION)
             options.env_option_overrides = list(overrides.items())
