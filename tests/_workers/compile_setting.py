@@ -11,8 +11,8 @@ a test that reads a compiled program's text or memory compiles as users do
 emitters whenever ``jax_disable_most_optimizations`` is on, and only then, so that the fixtures
 that turn JAX's optimizations back on (`as_users_compile`) give users' programs. The test
 processes and the 8-device workers call it. JAX has no public setting for a compile option of
-every program, so it wraps `jax._src.compiler.get_compile_options`; where a JAX version lacks
-it, nothing changes but the time.
+every program, so it wraps `jax._src.compiler.get_compile_options`. Where a JAX version lacks
+it, the tests run without the option, and the setting's own test fails and says so.
 """
 
 from __future__ import annotations
