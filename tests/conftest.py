@@ -60,21 +60,46 @@ def _compile_with_few_optimizations():
     compile_setting.follow_few_optimizations()
 
 
+def _users_compile_key():
+    """A setting made as JAX makes ``jax_enable_x64``, part of the key of JAX's caches of traced
+    and compiled programs (``include_in_jit_key``), through JAX's private `jax._src.config`.
+    `_users_compile` turns it on. A program compiled as users compile and one compiled with few
+    optimizations are then two entries: neither is reused the other way, and neither is
+    compiled again when the tests switch back. (JAX's own in-memory caches do not key on
+    ``jax_disable_most_optimizations``; its persistent cache does, through the compile's
+    options.)"""
+    from jax._src import config
+
+    name = "optclip_tests_compile_as_users"
+    known = config.config_states.get(name)
+    if known is not None:  # (conftest imported again, by a test that reads it)
+        return known
+    return config.bool_state(
+        name,
+        False,
+        help="optclip's tests: compiling as users' programs are, in a cache key of its own.",
+        include_in_jit_key=True,
+        include_in_trace_context=True,
+    )
+
+
+_AS_USERS = _users_compile_key()
+
+
 @contextlib.contextmanager
 def _users_compile():
-    """JAX's optimizations on, here and in the processes started meanwhile; JAX's caches
-    cleared on the way in and out, so that no program compiled the other way is reused."""
+    """JAX's optimizations on, here and in the processes started meanwhile; the programs traced
+    and compiled meanwhile cached under a key of their own (`_users_compile_key`), so that no
+    program compiled the other way is reused, in either direction."""
     name = "jax_disable_most_optimizations"
     before = jax.config.values[name]
-    with pytest.MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch, _AS_USERS(True):
         patch.setenv(_FEW_OPTIMIZATIONS, "0")
         jax.config.update(name, False)
-        jax.clear_caches()
         try:
             yield
         finally:
             jax.config.update(name, before)
-            jax.clear_caches()
 
 
 @pytest.fixture

@@ -267,25 +267,36 @@ def test_a_value_that_is_neither_true_nor_false_is_a_usage_error(monkeypatch):
 
 def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
     """`_users_compile`: JAX's optimizations on inside, for this process and the ones it
-    starts, and the setting and the variable as they were after, also when the test fails;
-    a program jitted inside is not reused outside (JAX's caches cleared)."""
+    starts, and the setting and the variable as they were after, also when the test fails. A
+    program compiled one way is not reused the other way, in either direction; nor is it
+    compiled again when that way comes back (JAX's caches key on `_users_compile_key`)."""
     import conftest
 
     name = "jax_disable_most_optimizations"
     before = jax.config.values[name]
     monkeypatch.setenv(FEW, "1")
     jax.config.update(name, True)
+    x = np.ones((4, 8), np.float32)
+    outside_first = jax.jit(lambda a: jnp.max(a, axis=0))
+    inside_first = jax.jit(lambda a: jnp.max(a, axis=0))
     try:
-        f = jax.jit(lambda x: x * 2.0)
-        f(np.float32(1))
+        outside_first(x)
+        wrapped = {}
         with pytest.raises(RuntimeError, match="inside"):
             with conftest._users_compile():
                 assert jax.config.values[name] is False and os.environ[FEW] == "0"
-                assert f._cache_size() == 0  # (cleared on the way in)
-                f(np.float32(1))
+                for f in (outside_first, inside_first):
+                    f(x)
+                assert (outside_first._cache_size(), inside_first._cache_size()) == (2, 1)
+                wrapped["inside"] = " fusion(" in outside_first.lower(x).compile().as_text()
                 raise RuntimeError("inside")
         assert jax.config.values[name] is True and os.environ[FEW] == "1"
-        assert f._cache_size() == 0  # (cleared on the way out)
+        for f in (outside_first, inside_first):
+            f(x)
+        assert (outside_first._cache_size(), inside_first._cache_size()) == (2, 2)
+        wrapped["outside"] = " fusion(" in outside_first.lower(x).compile().as_text()
+        if jax.default_backend() == "cpu":  # (`test_xlas_older_fusion_emitters_only_...`)
+            assert wrapped == {"inside": True, "outside": False}
     finally:
         jax.config.update(name, before)
 

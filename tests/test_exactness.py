@@ -17,13 +17,18 @@ Every result is compared with a float64 reference computed from the exact values
 * `global_clip`'s update and state agree bit for bit with the functions.
 
 Every property test runs a few examples in the fast tier and many in the slow tier (its
-``examples`` parameter; see conftest.py); only the slow tier shrinks a failing example. Shapes
-come from a small fixed set, so each jitted function compiles once per (tree structure, dtype)
-and only the values vary.
+``examples`` parameter; see conftest.py); only the slow tier shrinks a failing example. The fast
+tier's property tests run the jitted functions only; the slow tier's run each function eagerly
+too. The fixed examples run both ways in either tier, and the fast tier checks that eager and
+jitted norms are the same bits (an eager run compiles each operation of the function on its
+own, half of this module's time in the fast tier). Shapes come from a small fixed set, so each
+jitted function compiles once per (tree structure, dtype) and only the values vary.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from functools import partial
 from typing import NamedTuple
@@ -169,11 +174,26 @@ NORM_VJP = {p: _norm_vjp(p) for p in ORDS}
 NORM_VJP_JIT = {p: jax.jit(fn) for p, fn in NORM_VJP.items()}
 
 
+# Whether the checks run now run the jitted functions only (the fast tier's property tests).
+_JIT_ONLY = contextvars.ContextVar("jit_only", default=False)
+
+
+@contextlib.contextmanager
+def _jitted_only(yes: bool):
+    token = _JIT_ONLY.set(yes)
+    try:
+        yield
+    finally:
+        _JIT_ONLY.reset(token)
+
+
 def _eager_and_jit(eager, jitted):
-    return (("eager", eager), ("jit", jitted))
+    """The ways a check runs a function: eagerly and jitted, or jitted only (`_jitted_only`)."""
+    return (("jit", jitted),) if _JIT_ONLY.get() else (("eager", eager), ("jit", jitted))
 
 
-GLOBAL_CLIP_RUNS = _eager_and_jit(CLIPS["clip_by_global_norm"], CLIPS_JIT["clip_by_global_norm"])
+def _global_clip_runs():
+    return _eager_and_jit(CLIPS["clip_by_global_norm"], CLIPS_JIT["clip_by_global_norm"])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -263,20 +283,23 @@ def complex_leaves(draw, shapes):
 
 def _property(examples, strategy, check):
     """Runs `check` on `examples` values drawn from `strategy` (hypothesis keeps the failures it
-    found per `check`, and replays them first the next time)."""
-    settings(
+    found per `check`, and replays them first the next time), jitted only in the fast tier."""
+    fast = examples <= FAST_EXAMPLES
+    run = settings(
         max_examples=examples,
         deadline=None,
         derandomize=False,
         # The fast tier reports a failing example as found; the slow tier shrinks it to a
         # minimal one (shrinking reruns eager code hundreds of times).
-        phases=ALL_PHASES if examples > FAST_EXAMPLES else NO_SHRINK,
+        phases=NO_SHRINK if fast else ALL_PHASES,
         suppress_health_check=[
             HealthCheck.too_slow,
             HealthCheck.data_too_large,
             HealthCheck.filter_too_much,
         ],
-    )(given(strategy)(check))()
+    )(given(strategy)(check))
+    with _jitted_only(fast):
+        run()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -610,7 +633,7 @@ def test_nan_in_large_array_gives_nan_infinity_norm(nan_at, with_inf):
 
 
 def _check_global_clip(case: ClipCase):
-    for how, fn in GLOBAL_CLIP_RUNS:
+    for how, fn in _global_clip_runs():
         what = f"{how} clip_by_global_norm"
         clipped, norm = fn(case.tree, case.c)
         _assert_norm(norm, case.tree, 2.0, what)
@@ -763,7 +786,7 @@ def test_x64_mixed_trees(a, b, expected):
             assert norm.dtype == jnp.float64, f"{how}: {norm.dtype}"
             np.testing.assert_allclose(float(norm), expected, rtol=1e-6, err_msg=how)
         for c in (1.0, expected * 1e-5, expected * 1e5):
-            for how, fn in GLOBAL_CLIP_RUNS:
+            for how, fn in _global_clip_runs():
                 clipped, norm = fn(tree, c)
                 for leaf in _leaves(clipped):
                     assert not np.isnan(np.asarray(leaf)).any(), f"{how}, c={c}: NaN: {clipped}"
@@ -796,7 +819,7 @@ def _check_x64(case: X64Case):
             norm = fn(tree)
             assert norm.dtype == jnp.float64, f"{how}: {norm.dtype}"
             _assert_norm(norm, leaves, case.ord, f"{how} x64 global_norm(ord={case.ord})", 1e-6)
-        for how, fn in GLOBAL_CLIP_RUNS:
+        for how, fn in _global_clip_runs():
             clipped, norm = fn(tree, case.c)
             what = f"{how} x64 clip_by_global_norm"
             _assert_norm(norm, leaves, 2.0, what, 1e-6)
