@@ -223,7 +223,7 @@ def on_platform(jaxpr, platform, scanned=False):
             yield from on_platform(sub, platform, scanned or eqn.primitive.name == "scan")
 
 
-def test_a_dropped_non_finite_example_leaves_the_others_sums_exact():
+def test_a_dropped_non_finite_example_leaves_the_others_sums_exact(mode):
     """An example whose gradient is not finite, dropped by ``nan_safe``: its norm is NaN and
     the clipped sums are the float64 reference's over the other examples, jitted and eager
     (its records and output gradients are zeroed, never multiplied by its factor 0)."""
@@ -232,14 +232,13 @@ def test_a_dropped_non_finite_example_leaves_the_others_sums_exact():
     bad = x.at[1, 0].set(np.inf)
     kept = np.delete(np.arange(x.shape[0]), 1)
     _, sums = gm.reference(loss, params, x[kept], 1.0)
-    for mode in ("jit", "eager"):
-        grads, aux = run(step, mode)(params, bad)
-        assert not np.isfinite(aux.grad_norms[1])
-        assert_tree_close(grads, sums)
+    grads, aux = run(step, mode)(params, bad)
+    assert not np.isfinite(aux.grad_norms[1])
+    assert_tree_close(grads, sums)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_norms_exact_for_factors_near_float32s_largest(rows):
+def test_norms_exact_for_factors_near_float32s_largest(rows, mode):
     # Layer inputs past 2**126 (dividing them by their power of two at once would divide by a
     # subnormal number, which the CPU flushes to zero: norms of 0, the examples unclipped),
     # output gradients small enough for the gradients and norms to be finite: one row per
@@ -257,18 +256,17 @@ def test_norms_exact_for_factors_near_float32s_largest(rows):
     def loss(p, x):
         return 1e-4 * jnp.sum(jnp.sin(x @ p["w"] + p["b"]))
 
-    for mode in ("jit", "eager"):
-        _, aux = check_against_reference(loss, params, x, 1e36, mode=mode)
-        assert np.all(np.asarray(aux.grad_norms) > 1e34)
-        # Clipped to 1: each example's factor (1e-34) times its output gradients (1e-4) would
-        # flush; the output gradients are held divided by a power of two (`scaled`). The
-        # bias's clipped sum is at float32's smallest normal numbers (not compared).
-        g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
-        grads, clipped = run(g, mode)(params, x)
-        np.testing.assert_array_equal(clipped.grad_norms, aux.grad_norms)
-        _, sums = gm.reference(loss, params, x, 1.0)
-        assert_tree_close(grads["w"], sums["w"])
-        assert np.max(np.abs(sums["b"])) < 2.0**-124
+    _, aux = check_against_reference(loss, params, x, 1e36, mode=mode)
+    assert np.all(np.asarray(aux.grad_norms) > 1e34)
+    # Clipped to 1: each example's factor (1e-34) times its output gradients (1e-4) would
+    # flush; the output gradients are held divided by a power of two (`scaled`). The bias's
+    # clipped sum is at float32's smallest normal numbers (not compared).
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+    grads, clipped = run(g, mode)(params, x)
+    np.testing.assert_array_equal(clipped.grad_norms, aux.grad_norms)
+    _, sums = gm.reference(loss, params, x, 1.0)
+    assert_tree_close(grads["w"], sums["w"])
+    assert np.max(np.abs(sums["b"])) < 2.0**-124
 
 
 def _large_inputs(rows, shift=100, dtype=jnp.float32, gain=1e-4):
@@ -991,16 +989,10 @@ def test_a_bfloat16_batch_stays_bfloat16_in_the_loop_over_its_examples(monkeypat
         assert not re.search(r"f32\[5,", state), state
 
 
-@pytest.mark.every_case
 @pytest.mark.parametrize(
-    "model, dtype",
-    [
-        ("mlp", jnp.float16),
-        pytest.param("mlp", jnp.bfloat16, marks=pytest.mark.slow),
-        pytest.param("sequence", jnp.bfloat16, marks=pytest.mark.slow),
-    ],
+    "model, dtype", [("mlp", jnp.float16), ("mlp", jnp.bfloat16), ("sequence", jnp.bfloat16)]
 )
-def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtype):
+def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtype, mode):
     # With a dropped example whose gradient is not finite (its records and output gradients
     # zeroed), the terms are added in float32 and rounded once to the leaf's dtype, as the
     # materialising reference's are. Against the float64 reference too (the examples kept,
@@ -1012,16 +1004,15 @@ def test_low_precision_sums_with_a_dropped_example_add_up_in_float32(model, dtyp
     bad = x.at[3, 0].set(np.inf)
     kept = np.delete(np.arange(x.shape[0]), 3)
     _, reference = gm.reference(loss, params, x[kept], 1e3)
-    for mode in ("jit", "eager"):
-        sums = {}
-        for method in ("auto", "vmap"):
-            g = optclip.clipped_grad(loss, l2_clip_norm=1e3, method=method)
-            sums[method] = run(g, mode)(params, bad)
-        leaves = zip(*(jax.tree.leaves(t) for t in (sums["auto"], sums["vmap"], reference)))
-        for a, b, want in leaves:
-            a, b, want = (np.asarray(v, np.float32) for v in (a, b, want))
-            for got in (a, b):
-                np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.max(np.abs(want)))
+    sums = {}
+    for method in ("auto", "vmap"):
+        g = optclip.clipped_grad(loss, l2_clip_norm=1e3, method=method)
+        sums[method] = run(g, mode)(params, bad)
+    leaves = zip(*(jax.tree.leaves(t) for t in (sums["auto"], sums["vmap"], reference)))
+    for a, b, want in leaves:
+        a, b, want = (np.asarray(v, np.float32) for v in (a, b, want))
+        for got in (a, b):
+            np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-2 * np.max(np.abs(want)))
 
 
 def shapes_in(jaxpr):
@@ -1180,15 +1171,14 @@ DENSE = {  # (weight shape, input shape of one example, the per-example product)
 
 
 @pytest.mark.parametrize("name", list(DENSE))
-def test_every_arrangement_of_a_dense_layer(name):
+def test_every_arrangement_of_a_dense_layer(name, mode):
     w_shape, x_shape, product = DENSE[name]
     rng = np.random.default_rng(12)
     params = {"w": jnp.asarray(rng.normal(size=w_shape), jnp.float32)}
     x = jnp.asarray(rng.normal(size=(5, *x_shape[1:])), jnp.float32)
     loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"], x)))  # noqa: E731
     assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
-    for mode in ("jit", "eager"):
-        check_against_reference(loss, params, x, 1.0, mode=mode)
+    check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
 # (the fast tier's case first: a weight on the left, which the CPU could not run)
@@ -1255,7 +1245,7 @@ LOOKUPS = {
 
 
 @pytest.mark.parametrize("name", list(LOOKUPS))
-def test_each_way_of_writing_a_lookup_is_ghost(name):
+def test_each_way_of_writing_a_lookup_is_ghost(name, mode):
     # Ids out of range (7 and 9 of 7 rows; -1 counts from the end, -9 does not reach the
     # first row): `fill` reads a zero row, `clip` the nearest row, and the others (JAX's
     # promise that ids are in range) the nearest row too, but JAX's gradient of those drops
@@ -1273,8 +1263,7 @@ def test_each_way_of_writing_a_lookup_is_ghost(name):
         return jnp.sum(jnp.sin(lookup(p["w"], ids) @ jnp.arange(3.0)) ** 2)
 
     assert optclip.ghost_report(loss, params, ids)["['w']"].mode == "ghost"
-    for mode in ("jit", "eager"):
-        check_against_reference(loss, params, ids, 1.0, mode=mode)
+    check_against_reference(loss, params, ids, 1.0, mode=mode)
 
 
 def test_report_names_each_leaf_and_why():
