@@ -18,11 +18,11 @@ Every result is compared with a float64 reference computed from the exact values
 
 Every property test runs a few examples in the fast tier and many in the slow tier (its
 ``examples`` parameter; see conftest.py); only the slow tier shrinks a failing example. The fast
-tier's property tests run the jitted functions only; the slow tier's run each function eagerly
-too. The fixed examples run both ways in either tier, and the fast tier checks that eager and
-jitted norms are the same bits (an eager run compiles each operation of the function on its
-own, half of this module's time in the fast tier). Shapes come from a small fixed set, so each
-jitted function compiles once per (tree structure, dtype) and only the values vary.
+tier's property tests run the jitted functions only (an eager run compiles each operation of
+the function on its own); the slow tier's run each function eagerly too. The fixed examples run
+both ways in either tier, and the fast tier checks that eager and jitted norms are the same
+bits. Shapes come from a small fixed set, so each jitted function compiles once per (tree
+structure, dtype) and only the values vary.
 """
 
 from __future__ import annotations
