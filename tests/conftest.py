@@ -92,14 +92,16 @@ def _users_compile():
     and compiled meanwhile cached under a key of their own (`_users_compile_key`), so that no
     program compiled the other way is reused, in either direction."""
     name = "jax_disable_most_optimizations"
-    before = jax.config.values[name]
-    with pytest.MonkeyPatch.context() as patch, _AS_USERS(True):
+    before = jax.config.values[name], jax.config.values[_AS_USERS.name]
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv(_FEW_OPTIMIZATIONS, "0")
         jax.config.update(name, False)
+        jax.config.update(_AS_USERS.name, True)  # (for every thread, as the line above)
         try:
             yield
         finally:
-            jax.config.update(name, before)
+            jax.config.update(name, before[0])
+            jax.config.update(_AS_USERS.name, before[1])
 
 
 @pytest.fixture
