@@ -265,6 +265,25 @@ def test_a_value_that_is_neither_true_nor_false_is_a_usage_error(monkeypatch):
     assert jax.config.values["jax_disable_most_optimizations"] is before  # (left as it was)
 
 
+def _compile_with_few_optimizations(few: bool):
+    """This process compiles with few optimizations (or as users do), whatever a fixture set
+    before (this module's blocks run under `as_users_compile_module`): the optimizations'
+    setting and `conftest._users_compile_key` as `conftest._users_compile` pairs them. Returns
+    a function that puts both back."""
+    import conftest
+
+    names = ("jax_disable_most_optimizations", conftest._AS_USERS.name)
+    before = [jax.config.values[n] for n in names]
+    for n, value in zip(names, (few, not few)):
+        jax.config.update(n, value)
+
+    def restore():
+        for n, value in zip(names, before):
+            jax.config.update(n, value)
+
+    return restore
+
+
 def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
     """`_users_compile`: JAX's optimizations on inside, for this process and the ones it
     starts, and the setting and the variable as they were after, also when the test fails. A
@@ -273,9 +292,8 @@ def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
     import conftest
 
     name = "jax_disable_most_optimizations"
-    before = jax.config.values[name]
     monkeypatch.setenv(FEW, "1")
-    jax.config.update(name, True)
+    restore = _compile_with_few_optimizations(True)
     x = np.ones((4, 8), np.float32)
     outside_first = jax.jit(lambda a: jnp.max(a, axis=0))
     inside_first = jax.jit(lambda a: jnp.max(a, axis=0))
@@ -291,6 +309,7 @@ def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
                 wrapped["inside"] = " fusion(" in outside_first.lower(x).compile().as_text()
                 raise RuntimeError("inside")
         assert jax.config.values[name] is True and os.environ[FEW] == "1"
+        assert jax.config.values[conftest._AS_USERS.name] is False
         for f in (outside_first, inside_first):
             f(x)
         assert (outside_first._cache_size(), inside_first._cache_size()) == (2, 2)
@@ -298,7 +317,7 @@ def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
         if jax.default_backend() == "cpu":  # (`test_xlas_older_fusion_emitters_only_...`)
             assert wrapped == {"inside": True, "outside": False}
     finally:
-        jax.config.update(name, before)
+        restore()
 
 
 def test_xlas_older_fusion_emitters_only_with_few_optimizations():
@@ -316,21 +335,19 @@ def test_xlas_older_fusion_emitters_only_with_few_optimizations():
     def compiled_text():
         return jax.jit(lambda a: jnp.max(a, axis=0)).lower(x).compile().as_text()
 
-    name = "jax_disable_most_optimizations"
-    before = jax.config.values[name]
-
     def asked(backend):
         options = compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
         return dict(options.env_option_overrides).get(compile_setting.OPTION[0])
 
     cpu = jax.devices("cpu")[0].client
+    restore = _compile_with_few_optimizations(True)
     try:
         for few, wrapped in ((True, False), (False, True)):
-            jax.config.update(name, few)
+            _compile_with_few_optimizations(few)
             assert asked(cpu) == (False if few else None), few
             if jax.default_backend() == "cpu":
                 assert (" fusion(" in compiled_text()) is wrapped, few
             else:  # (an accelerator's compile: the option is the CPU backend's only)
                 assert asked(jax.devices()[0].client) is None, few
     finally:
-        jax.config.update(name, before)
+        restore()
