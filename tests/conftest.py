@@ -44,6 +44,45 @@ _TRUTH = {"y": True, "yes": True, "t": True, "true": True, "on": True, "1": True
 _TRUTH.update({"n": False, "no": False, "f": False, "false": False, "off": False, "0": False})
 
 
+def _few_optimizations_key():
+    """A setting that mirrors ``jax_disable_most_optimizations`` in the key of JAX's caches of
+    traced and compiled programs (``include_in_jit_key``, as JAX makes ``jax_enable_x64``;
+    through JAX's private `jax._src.config`). JAX's in-memory caches do not key on that flag
+    (its persistent cache does, through the compile's options). With the mirror, a program
+    compiled as users compile and one compiled with few optimizations are two entries: neither
+    is reused the other way, and neither is compiled again when the tests switch back."""
+    from jax._src import config
+
+    name = "optclip_tests_few_optimizations"
+    try:
+        known = config.config_states.get(name)
+        if known is not None:  # (conftest imported again, by a test that reads it)
+            return known
+        return config.bool_state(
+            name,
+            False,
+            help="optclip's tests: jax_disable_most_optimizations, in JAX's cache keys.",
+            include_in_jit_key=True,
+            include_in_trace_context=True,
+        )
+    except (AttributeError, TypeError) as error:
+        raise pytest.UsageError(
+            "tests/conftest.py: JAX's private `jax._src.config` has no `config_states` or "
+            f"`bool_state(..., include_in_jit_key=...)` any more ({error}); the tests' key of "
+            "their compile setting needs its new place"
+        ) from error
+
+
+_FEW_KEY = _few_optimizations_key()
+
+
+def _set_few_optimizations(few: bool):
+    """How this process compiles, in the one place that sets it: JAX's flag, and the key of
+    JAX's caches that mirrors it (`_few_optimizations_key`)."""
+    jax.config.update("jax_disable_most_optimizations", few)
+    jax.config.update(_FEW_KEY.name, few)
+
+
 def _compile_with_few_optimizations():
     """The tests' programs compiled with JAX's ``jax_disable_most_optimizations`` (LLVM's
     optimizations off, for code whose compile costs more than its run) and XLA's older fusion
@@ -56,52 +95,29 @@ def _compile_with_few_optimizations():
     value = os.environ.setdefault(_FEW_OPTIMIZATIONS, "1")
     if value.lower() not in _TRUTH:
         raise pytest.UsageError(f"{_FEW_OPTIMIZATIONS}={value!r} is neither true nor false")
-    jax.config.update("jax_disable_most_optimizations", _TRUTH[value.lower()])
+    _set_few_optimizations(_TRUTH[value.lower()])
     compile_setting.follow_few_optimizations()
 
 
-def _users_compile_key():
-    """A setting made as JAX makes ``jax_enable_x64``, part of the key of JAX's caches of traced
-    and compiled programs (``include_in_jit_key``), through JAX's private `jax._src.config`.
-    `_users_compile` turns it on. A program compiled as users compile and one compiled with few
-    optimizations are then two entries: neither is reused the other way, and neither is
-    compiled again when the tests switch back. (JAX's own in-memory caches do not key on
-    ``jax_disable_most_optimizations``; its persistent cache does, through the compile's
-    options.)"""
-    from jax._src import config
-
-    name = "optclip_tests_compile_as_users"
-    known = config.config_states.get(name)
-    if known is not None:  # (conftest imported again, by a test that reads it)
-        return known
-    return config.bool_state(
-        name,
-        False,
-        help="optclip's tests: compiling as users' programs are, in a cache key of its own.",
-        include_in_jit_key=True,
-        include_in_trace_context=True,
-    )
-
-
-_AS_USERS = _users_compile_key()
-
-
 @contextlib.contextmanager
-def _users_compile():
-    """JAX's optimizations on, here and in the processes started meanwhile; the programs traced
-    and compiled meanwhile cached under a key of their own (`_users_compile_key`), so that no
-    program compiled the other way is reused, in either direction."""
-    name = "jax_disable_most_optimizations"
-    before = jax.config.values[name], jax.config.values[_AS_USERS.name]
+def _compiling(few: bool):
+    """This process, and the processes started meanwhile, compile with few optimizations (or
+    as users do); the setting, its key and the variable as they were after."""
+    before = jax.config.values["jax_disable_most_optimizations"]
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(_FEW_OPTIMIZATIONS, "0")
-        jax.config.update(name, False)
-        jax.config.update(_AS_USERS.name, True)  # (for every thread, as the line above)
+        patch.setenv(_FEW_OPTIMIZATIONS, "1" if few else "0")
+        _set_few_optimizations(few)
         try:
             yield
         finally:
-            jax.config.update(name, before[0])
-            jax.config.update(_AS_USERS.name, before[1])
+            _set_few_optimizations(before)
+
+
+def _users_compile():
+    """JAX's optimizations on, here and in the processes started meanwhile; the programs
+    traced and compiled meanwhile cached under a key of their own, so that no program compiled
+    the other way is reused, in either direction."""
+    return _compiling(False)
 
 
 @pytest.fixture

@@ -243,6 +243,7 @@ def test_the_run_compiles_with_few_optimizations_as_its_environment_says():
     assert os.environ[FEW].lower() in conftest._TRUTH
     assert (
         jax.config.values["jax_disable_most_optimizations"]
+        is jax.config.values[conftest._FEW_KEY.name]  # (the key of JAX's caches mirrors it)
         is conftest._TRUTH[os.environ[FEW].lower()]
     )
     child = subprocess.run(
@@ -265,59 +266,39 @@ def test_a_value_that_is_neither_true_nor_false_is_a_usage_error(monkeypatch):
     assert jax.config.values["jax_disable_most_optimizations"] is before  # (left as it was)
 
 
-def _compile_with_few_optimizations(few: bool):
-    """This process compiles with few optimizations (or as users do), whatever a fixture set
-    before (this module's blocks run under `as_users_compile_module`): the optimizations'
-    setting and `conftest._users_compile_key` as `conftest._users_compile` pairs them. Returns
-    a function that puts both back."""
-    import conftest
-
-    names = ("jax_disable_most_optimizations", conftest._AS_USERS.name)
-    before = [jax.config.values[n] for n in names]
-    for n, value in zip(names, (few, not few)):
-        jax.config.update(n, value)
-
-    def restore():
-        for n, value in zip(names, before):
-            jax.config.update(n, value)
-
-    return restore
-
-
-def test_as_users_compile_turns_the_optimizations_on_and_back(monkeypatch):
+def test_as_users_compile_turns_the_optimizations_on_and_back():
     """`_users_compile`: JAX's optimizations on inside, for this process and the ones it
-    starts, and the setting and the variable as they were after, also when the test fails. A
-    program compiled one way is not reused the other way, in either direction; nor is it
-    compiled again when that way comes back (JAX's caches key on `_users_compile_key`)."""
+    starts, and the setting, its key and the variable as they were after, also when the test
+    fails. A program compiled one way is not reused the other way, in either direction; nor is
+    it compiled again when that way comes back (JAX's caches key on `_few_optimizations_key`).
+    (`_compiling(True)` first: this module's blocks run under `as_users_compile_module`.)"""
     import conftest
 
-    name = "jax_disable_most_optimizations"
-    monkeypatch.setenv(FEW, "1")
-    restore = _compile_with_few_optimizations(True)
+    name, key = "jax_disable_most_optimizations", conftest._FEW_KEY.name
     x = np.ones((4, 8), np.float32)
     outside_first = jax.jit(lambda a: jnp.max(a, axis=0))
     inside_first = jax.jit(lambda a: jnp.max(a, axis=0))
-    try:
-        outside_first(x)
-        wrapped = {}
-        with pytest.raises(RuntimeError, match="inside"):
-            with conftest._users_compile():
-                assert jax.config.values[name] is False and os.environ[FEW] == "0"
-                for f in (outside_first, inside_first):
-                    f(x)
-                assert (outside_first._cache_size(), inside_first._cache_size()) == (2, 1)
-                wrapped["inside"] = " fusion(" in outside_first.lower(x).compile().as_text()
-                raise RuntimeError("inside")
-        assert jax.config.values[name] is True and os.environ[FEW] == "1"
-        assert jax.config.values[conftest._AS_USERS.name] is False
+
+    def call_both(few, sizes):
+        """Both functions called with `few`'s setting, key and variable, leaving JAX's caches
+        `sizes` entries; whether the program read is users' (a lone reduction in a fusion)."""
+        assert (jax.config.values[name], jax.config.values[key]) == (few, few)
+        assert os.environ[FEW] == ("1" if few else "0")
         for f in (outside_first, inside_first):
             f(x)
-        assert (outside_first._cache_size(), inside_first._cache_size()) == (2, 2)
-        wrapped["outside"] = " fusion(" in outside_first.lower(x).compile().as_text()
-        if jax.default_backend() == "cpu":  # (`test_xlas_older_fusion_emitters_only_...`)
-            assert wrapped == {"inside": True, "outside": False}
-    finally:
-        restore()
+        assert (outside_first._cache_size(), inside_first._cache_size()) == sizes
+        return " fusion(" in outside_first.lower(x).compile().as_text()
+
+    wrapped = {}
+    with conftest._compiling(True):
+        outside_first(x)
+        with pytest.raises(RuntimeError, match="inside"):
+            with conftest._users_compile():
+                wrapped["inside"] = call_both(False, (2, 1))
+                raise RuntimeError("inside")
+        wrapped["outside"] = call_both(True, (2, 2))
+    if jax.default_backend() == "cpu":  # (`test_xlas_older_fusion_emitters_only_...`)
+        assert wrapped == {"inside": True, "outside": False}
 
 
 def test_xlas_older_fusion_emitters_only_with_few_optimizations():
@@ -339,15 +320,13 @@ def test_xlas_older_fusion_emitters_only_with_few_optimizations():
         options = compiler.get_compile_options(num_replicas=1, num_partitions=1, backend=backend)
         return dict(options.env_option_overrides).get(compile_setting.OPTION[0])
 
+    import conftest
+
     cpu = jax.devices("cpu")[0].client
-    restore = _compile_with_few_optimizations(True)
-    try:
-        for few, wrapped in ((True, False), (False, True)):
-            _compile_with_few_optimizations(few)
+    for few, wrapped in ((True, False), (False, True)):
+        with conftest._compiling(few):
             assert asked(cpu) == (False if few else None), few
             if jax.default_backend() == "cpu":
                 assert (" fusion(" in compiled_text()) is wrapped, few
             else:  # (an accelerator's compile: the option is the CPU backend's only)
                 assert asked(jax.devices()[0].client) is None, few
-    finally:
-        restore()

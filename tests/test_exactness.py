@@ -302,6 +302,23 @@ def _property(examples, strategy, check):
         run()
 
 
+def test_the_fast_tiers_property_tests_run_the_jitted_functions_only():
+    """`_property`: the fast tier's examples run each function jitted only, the slow tier's
+    eagerly too; the fixed examples, outside `_property`, run both ways."""
+
+    def ways(examples):
+        seen = set()
+        _property(examples, st.just(None), lambda _: seen.add(tuple(_ways())))
+        return seen
+
+    def _ways():
+        return [how for how, _ in _eager_and_jit(None, None)]
+
+    assert ways(EXAMPLES[0]) == {("jit",)}
+    assert ways(EXAMPLES[1]) == {("eager", "jit")}
+    assert _ways() == ["eager", "jit"]
+
+
 # ----------------------------------------------------------------------------------------------
 # Checks.
 
