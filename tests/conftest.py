@@ -10,6 +10,7 @@ this one.
 """
 
 import contextlib
+import gc
 import os
 import shutil
 import tempfile
@@ -136,9 +137,22 @@ def as_users_compile_module():
         yield
 
 
+def _collect_garbage_less_often():
+    """Python's cycle collector run less often in the test processes. JAX's caches of traced
+    and compiled programs hold hundreds of thousands of objects that live to the end of the
+    run. With the default thresholds (700, 10, 10), the tests' tracing sets off a full
+    collection, which walks all of them, every few seconds. Larger thresholds count more
+    allocations not yet freed before each collection, so cycles are still collected, in
+    larger batches. The objects alive when collection ends are also frozen (`gc.freeze`, in
+    `pytest_collection_finish`), out of every later walk. What it saves is in
+    docs/design/tests-and-ci.md."""
+    gc.set_threshold(20_000, 20, 20)
+
+
 def pytest_configure(config):
     """One compilation cache for the run (`_share_compiles_within_the_run`), programs compiled
-    with few optimizations (`_compile_with_few_optimizations`). On a GPU or TPU
+    with few optimizations (`_compile_with_few_optimizations`), the cycle collector run less
+    often (`_collect_garbage_less_often`). On a GPU or TPU
     the tests' matrix products are float32's, as on a CPU: JAX's default precision there is
     TF32 or bfloat16, and the tests compare with float64 references at float32's tolerances.
     (A test of what a precision does sets it itself; a precision set in the environment,
@@ -147,6 +161,7 @@ def pytest_configure(config):
         jax.config.update("jax_default_matmul_precision", "highest")
     _share_compiles_within_the_run()
     _compile_with_few_optimizations()
+    _collect_garbage_less_often()
 
 
 @pytest.fixture(params=["eager", "jit"])
@@ -208,7 +223,10 @@ def pytest_collection_finish(session):
     """Starts the 8-device workers now that selected tests need (each runs on the second core
     while the tests before it run on the first). Under pytest-xdist every process collects every
     test, so there the fixture that reads a worker's result starts it instead, in the one
-    process its tests go to."""
+    process its tests go to. In every process, what collection made is frozen out of the cycle
+    collector's walks (`_collect_garbage_less_often`)."""
+    gc.collect()
+    gc.freeze()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     needed = {name for item in session.items for name in getattr(item, "fixturenames", ())}
