@@ -18,11 +18,11 @@ Every result is compared with a float64 reference computed from the exact values
 
 Every property test runs a few examples in the fast tier and many in the slow tier (its
 ``examples`` parameter; see conftest.py); only the slow tier shrinks a failing example. The fast
-tier's property tests run the jitted functions only (an eager run compiles each operation of
-the function on its own); the slow tier's run each function eagerly too. The fixed examples run
-both ways in either tier, and the fast tier checks that eager and jitted norms are the same
-bits. Shapes come from a small fixed set, so each jitted function compiles once per (tree
-structure, dtype) and only the values vary.
+tier runs the jitted functions only, in the property tests and in the fixed examples (an eager
+run compiles each operation of the function on its own). The slow tier runs each property test
+eagerly and jitted, and the fixed examples eagerly (their `way` fixture's other case). The fast
+tier checks that eager and jitted norms are the same bits. Shapes come from a small fixed set,
+so each jitted function compiles once per (tree structure, dtype) and only the values vary.
 """
 
 from __future__ import annotations
@@ -174,22 +174,31 @@ NORM_VJP = {p: _norm_vjp(p) for p in ORDS}
 NORM_VJP_JIT = {p: jax.jit(fn) for p, fn in NORM_VJP.items()}
 
 
-# Whether the checks run now run the jitted functions only (the fast tier's property tests).
-_JIT_ONLY = contextvars.ContextVar("jit_only", default=False)
+# The ways the checks run now run their functions (`_eager_and_jit`).
+_WAYS = contextvars.ContextVar("ways", default=("eager", "jit"))
 
 
 @contextlib.contextmanager
-def _jitted_only(yes: bool):
-    token = _JIT_ONLY.set(yes)
+def _running(*ways: str):
+    token = _WAYS.set(ways)
     try:
         yield
     finally:
-        _JIT_ONLY.reset(token)
+        _WAYS.reset(token)
 
 
 def _eager_and_jit(eager, jitted):
-    """The ways a check runs a function: eagerly and jitted, or jitted only (`_jitted_only`)."""
-    return (("jit", jitted),) if _JIT_ONLY.get() else (("eager", eager), ("jit", jitted))
+    """The ways a check runs a function: eagerly and jitted, or those `_running` names."""
+    functions = {"eager": eager, "jit": jitted}
+    return tuple((how, functions[how]) for how in _WAYS.get())
+
+
+@pytest.fixture(params=["jit", pytest.param("eager", marks=pytest.mark.slow)])
+def way(request):
+    """A fixed example's checks run each function one way: jitted (the fast tier), or eagerly
+    (the slow tier)."""
+    with _running(request.param):
+        yield request.param
 
 
 def _global_clip_runs():
@@ -298,25 +307,30 @@ def _property(examples, strategy, check):
             HealthCheck.filter_too_much,
         ],
     )(given(strategy)(check))
-    with _jitted_only(fast):
+    with _running(*(("jit",) if fast else ("eager", "jit"))):
         run()
+
+
+def _ways_run():
+    return [how for how, _ in _eager_and_jit(None, None)]
 
 
 def test_the_fast_tiers_property_tests_run_the_jitted_functions_only():
     """`_property`: the fast tier's examples run each function jitted only, the slow tier's
-    eagerly too; the fixed examples, outside `_property`, run both ways."""
+    eagerly too."""
 
     def ways(examples):
         seen = set()
-        _property(examples, st.just(None), lambda _: seen.add(tuple(_ways())))
+        _property(examples, st.just(None), lambda _: seen.add(tuple(_ways_run())))
         return seen
-
-    def _ways():
-        return [how for how, _ in _eager_and_jit(None, None)]
 
     assert ways(EXAMPLES[0]) == {("jit",)}
     assert ways(EXAMPLES[1]) == {("eager", "jit")}
-    assert _ways() == ["eager", "jit"]
+
+
+def test_a_fixed_example_runs_its_functions_the_one_way_of_its_case(way):
+    """`way`: jitted in the fast tier, eagerly in the slow tier."""
+    assert _ways_run() == [way]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -512,6 +526,7 @@ def test_global_norm_exact_at_every_magnitude(examples):
     _property(examples, norm_cases(), _check_norm_case)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("p", ORDS)
 @pytest.mark.every_case
 def test_global_norm_of_tiny_values(p):
@@ -522,12 +537,14 @@ def test_global_norm_of_tiny_values(p):
             _assert_norm(fn(x), [x], p, f"{how} global_norm(ord={p}) of {values}")
 
 
+@pytest.mark.usefixtures("way")
 def test_global_norm_of_tiny_values_example():
     x = np.asarray([1e-19, 1e-19, 1.2e-19], np.float32)
     for how, fn in _eager_and_jit(NORM[2.0], NORM_JIT[2.0]):
         np.testing.assert_allclose(float(fn(x)), 1.8547236e-19, rtol=1e-6, err_msg=how)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("p", ORDS)
 @pytest.mark.every_case
 def test_global_norm_of_mixed_extreme_magnitudes(p):
@@ -637,6 +654,7 @@ def test_nonfinite_values_give_nonfinite_norms(examples):
     _property(examples, nonfinite_cases(), _check_nonfinite)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("nan_at", [0, 2500, 4999])
 @pytest.mark.parametrize("with_inf", [False, True])
 @pytest.mark.every_case
@@ -689,6 +707,7 @@ def test_clip_by_norm_at_every_magnitude(examples):
     _property(examples, slice_cases(), _check_slice_clip)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize(
     ("values", "c"),
     [
@@ -783,6 +802,7 @@ def _x64_tree(a, b):
     return {"a": jnp.asarray(a[0], a[1]), "b": jnp.asarray(b[0], b[1])}
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize(
     ("a", "b", "expected"),
     [
@@ -885,6 +905,7 @@ def test_clip_vjps_at_every_magnitude(examples):
     _property(examples, clip_vjp_cases(), _check_clip_vjp)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("clip", list(CLIP_VJP))
 def test_clip_vjp_where_x_dot_g_flushes(clip):
     """The slow tier's property test found this (clip 1e-20, a norm of 1e-19): ``x . g`` is
@@ -949,6 +970,7 @@ def test_norm_vjps_at_every_magnitude(examples):
     _property(examples, norm_vjp_cases(), _check_norm_vjp)
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("clip", list(CLIP_VJP))
 @pytest.mark.every_case
 def test_clip_vjp_at_large_magnitudes(clip):
@@ -959,6 +981,7 @@ def test_clip_vjp_at_large_magnitudes(clip):
         _assert_vjp(dc, 2.2, 2.0, f"{how} vjp of {clip} with respect to the threshold")
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize("clip", list(CLIP_VJP))
 @pytest.mark.every_case
 def test_clip_vjp_of_small_values(clip):
@@ -986,6 +1009,7 @@ def test_clip_vjp_of_small_values(clip):
             assert np.all(np.asarray(primal) == 0), f"{clip} at threshold 0: {primal}"
 
 
+@pytest.mark.usefixtures("way")
 @pytest.mark.parametrize(
     ("p", "values", "expected"),
     [
