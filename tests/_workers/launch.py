@@ -23,16 +23,19 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "shard_map": (
         "hlo",
         "shard_map-str",
-        "shard_map-tuple",
         "shard_map-specs",
+        "shard_map-ord",
+        "shard_map-optax-differs",
+        "shard_map-vjp",
+    ),
+    "shard_map-spellings": (
+        "shard_map-tuple",
         "shard_map-specs-auto",
         "shard_map-names",
         "shard_map-prefix",
         "shard_map-list",
         "shard_map-none",
-        "shard_map-ord",
-        "shard_map-optax-differs",
-        "shard_map-vjp",
+        "shard_map-no-check-vma",
     ),
     "shard_map-lowp": ("shard_map-lowp", "shard_map-lowp-f16"),
     "shard_map-overflow": (
@@ -54,11 +57,21 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "devices": ("devices",),
 }
 # The sections only the slow tier runs: the fast tier keeps the norm and the clip under jit,
-# shard_map and pmap at every magnitude, and every check of an axis name; these add the
-# automatic mesh, the adaptive clips, the guards, group and per-layer norms and scattered
-# leaves (about three quarters of the worker's time).
+# shard_map (an axis name, and shard_map's own in_specs) and pmap at every magnitude, and every
+# check of an axis name; these add the other ways to name the axes in shard_map, the automatic
+# mesh, the adaptive clips, the guards, group and per-layer norms and scattered leaves (about
+# four fifths of the worker's time).
 SLOW_SECTIONS = frozenset(
-    {"jit-auto", "adaptive", "guarded", "auto", "groups", "layers", "devices"}
+    {
+        "shard_map-spellings",
+        "jit-auto",
+        "adaptive",
+        "guarded",
+        "auto",
+        "groups",
+        "layers",
+        "devices",
+    }
 )
 
 

@@ -328,56 +328,10 @@ def shard_map_checks():
     shard_map_clip_checks("shard_map-str", tree, specs, "data", mesh_1d)
     shard_map_clip_vjp_checks(tree, specs, "data", mesh_1d)
 
-    # A tuple of names: every leaf split over both axes.
-    specs = {"w": P(("data", "model")), "b": P(("data", "model"))}
-    shard_map_clip_checks("shard_map-tuple", tree, specs, ("data", "model"), mesh)
-
     # shard_map's own in_specs: a pytree of PartitionSpecs, sharded and replicated mixed.
     tree, specs = mixed_tree(rng)
     shard_map_clip_checks("shard_map-specs", tree, specs, specs, mesh)
-
-    # The same on a mesh with automatic axis types.
-    shard_map_clip_checks("shard_map-specs-auto", tree, specs, specs, mesh_2d(AxisType.Auto))
-
-    # A pytree of names: a name, a tuple of names, or None for a replicated leaf.
-    names = jax.tree.map(spec_names, specs)
-    shard_map_clip_checks("shard_map-names", tree, specs, names, mesh)
-
-    # A prefix of the updates, as shard_map's in_specs may be: one spec for a whole subtree.
-    prefix_tree = {
-        "layer": {
-            "w": rng.standard_normal((8, 4)).astype(np.float32),
-            "b": rng.standard_normal((8,)).astype(np.float32),
-        },
-        "head": {
-            "w": rng.standard_normal((4, 2)).astype(np.float32),
-            "b": rng.standard_normal((2,)).astype(np.float32),
-        },
-    }
-    prefix = {"layer": P("data"), "head": P()}
-    shard_map_clip_checks("shard_map-prefix", prefix_tree, prefix, prefix, mesh)
-
-    # A list of PartitionSpecs for a list of updates (list nodes in `axis_name`).
-    leaves = [
-        rng.standard_normal((8, 2)).astype(np.float32),
-        rng.standard_normal((3,)).astype(np.float32),
-    ]
-    list_specs = [P(("data", "model")), P()]
-    shard_map_clip_checks("shard_map-list", leaves, list_specs, list_specs, mesh)
-
-    # None in in_specs (an input shard_map does not split) on an automatic mesh.
-    auto = mesh_2d(AxisType.Auto)
-    none_specs = [P("data"), None]
-    g = [jax.device_put(leaves[0], NamedSharding(auto, P("data"))), leaves[1]]
-    norm = smap(lambda t: optclip.global_norm(t, axis_name=none_specs), auto, (none_specs,), P())(g)
-    check("shard_map-none/global_norm", norm, ref_norm(leaves))
-
-    # Without check_vma the reductions are the same.
     g = put(tree, specs, mesh)
-    norm = smap(
-        lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P(), check_vma=False
-    )(g)
-    check("shard_map-specs/no_check_vma", norm, ref_norm(tree))
 
     # Other orders: partial sums psum-ed, or the largest magnitude pmax-ed.
     for p in (1.0, math.inf, 3.0):
@@ -430,6 +384,66 @@ def shard_map_checks():
     tx = optclip.global_clip(1.0, axis_name=specs)
     ours = smap(lambda t: tx.update(t, tx.init(t))[0], mesh, (specs,), specs)(g)
     check("shard_map-optax-differs/optclip_is_right", ours, want)
+
+
+def shard_map_spelling_checks():
+    """The other ways to say which axes split the leaves inside shard_map (the slow tier's: the
+    fast tier's `shard_map_checks` takes a name and shard_map's own in_specs)."""
+    rng = np.random.default_rng(4)
+    mesh = mesh_2d()
+    tree = {
+        "w": rng.standard_normal((8, 3)).astype(np.float32),
+        "b": rng.standard_normal((16,)).astype(np.float32),
+    }
+
+    # A tuple of names: every leaf split over both axes.
+    specs = {"w": P(("data", "model")), "b": P(("data", "model"))}
+    shard_map_clip_checks("shard_map-tuple", tree, specs, ("data", "model"), mesh)
+
+    tree, specs = mixed_tree(rng)
+
+    # The same on a mesh with automatic axis types.
+    shard_map_clip_checks("shard_map-specs-auto", tree, specs, specs, mesh_2d(AxisType.Auto))
+
+    # A pytree of names: a name, a tuple of names, or None for a replicated leaf.
+    names = jax.tree.map(spec_names, specs)
+    shard_map_clip_checks("shard_map-names", tree, specs, names, mesh)
+
+    # A prefix of the updates, as shard_map's in_specs may be: one spec for a whole subtree.
+    prefix_tree = {
+        "layer": {
+            "w": rng.standard_normal((8, 4)).astype(np.float32),
+            "b": rng.standard_normal((8,)).astype(np.float32),
+        },
+        "head": {
+            "w": rng.standard_normal((4, 2)).astype(np.float32),
+            "b": rng.standard_normal((2,)).astype(np.float32),
+        },
+    }
+    prefix = {"layer": P("data"), "head": P()}
+    shard_map_clip_checks("shard_map-prefix", prefix_tree, prefix, prefix, mesh)
+
+    # A list of PartitionSpecs for a list of updates (list nodes in `axis_name`).
+    leaves = [
+        rng.standard_normal((8, 2)).astype(np.float32),
+        rng.standard_normal((3,)).astype(np.float32),
+    ]
+    list_specs = [P(("data", "model")), P()]
+    shard_map_clip_checks("shard_map-list", leaves, list_specs, list_specs, mesh)
+
+    # None in in_specs (an input shard_map does not split) on an automatic mesh.
+    auto = mesh_2d(AxisType.Auto)
+    none_specs = [P("data"), None]
+    g = [jax.device_put(leaves[0], NamedSharding(auto, P("data"))), leaves[1]]
+    norm = smap(lambda t: optclip.global_norm(t, axis_name=none_specs), auto, (none_specs,), P())(g)
+    check("shard_map-none/global_norm", norm, ref_norm(leaves))
+
+    # Without check_vma the reductions are the same.
+    g = put(tree, specs, mesh)
+    norm = smap(
+        lambda t: optclip.global_norm(t, axis_name=specs), mesh, (specs,), P(), check_vma=False
+    )(g)
+    check("shard_map-no-check-vma/global_norm", norm, ref_norm(tree))
 
 
 def low_precision_tree(rng):
@@ -1243,6 +1257,7 @@ def _raises(fn) -> bool:
 SECTIONS = {
     "jit-explicit": lambda: jit_checks("explicit", None),
     "shard_map": shard_map_checks,
+    "shard_map-spellings": shard_map_spelling_checks,
     "shard_map-lowp": low_precision_checks,
     "shard_map-overflow": overflow_checks,
     "shard_map-nan-underflow": nan_and_underflow_checks,
