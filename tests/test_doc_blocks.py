@@ -256,6 +256,15 @@ def test_the_run_compiles_with_few_optimizations_as_its_environment_says():
     assert child.stdout.strip() == os.environ[FEW]
 
 
+def test_the_cycle_collector_runs_less_often_and_skips_what_collection_made():
+    """`conftest._collect_garbage_less_often`: its thresholds in this test process, and the
+    objects alive after collection frozen out of the collector's walks."""
+    import gc
+
+    assert gc.get_threshold() == (20_000, 20, 20)
+    assert gc.get_freeze_count() > 0
+
+
 def test_a_value_that_is_neither_true_nor_false_is_a_usage_error(monkeypatch):
     import conftest
 

@@ -174,8 +174,9 @@ NORM_VJP = {p: _norm_vjp(p) for p in ORDS}
 NORM_VJP_JIT = {p: jax.jit(fn) for p, fn in NORM_VJP.items()}
 
 
-# The ways the checks run now run their functions (`_eager_and_jit`).
-_WAYS = contextvars.ContextVar("ways", default=("eager", "jit"))
+# The ways the checks run now run their functions (`_eager_and_jit`): set by `_property` and
+# by the `way` fixture, and by nothing else.
+_WAYS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar("ways", default=None)
 
 
 @contextlib.contextmanager
@@ -188,9 +189,16 @@ def _running(*ways: str):
 
 
 def _eager_and_jit(eager, jitted):
-    """The ways a check runs a function: eagerly and jitted, or those `_running` names."""
+    """The ways a check runs a function: those `_running` names (a property test's, or a fixed
+    example's `way`)."""
+    ways = _WAYS.get()
+    if ways is None:
+        raise RuntimeError(
+            "a check ran outside `_property` and without the `way` fixture: add "
+            '`@pytest.mark.usefixtures("way")` to the test, so that each tier runs it one way'
+        )
     functions = {"eager": eager, "jit": jitted}
-    return tuple((how, functions[how]) for how in _WAYS.get())
+    return tuple((how, functions[how]) for how in ways)
 
 
 @pytest.fixture(params=["jit", pytest.param("eager", marks=pytest.mark.slow)])
@@ -331,6 +339,11 @@ def test_the_fast_tiers_property_tests_run_the_jitted_functions_only():
 def test_a_fixed_example_runs_its_functions_the_one_way_of_its_case(way):
     """`way`: jitted in the fast tier, eagerly in the slow tier."""
     assert _ways_run() == [way]
+
+
+def test_a_check_outside_a_property_test_without_a_way_is_an_error():
+    with pytest.raises(RuntimeError, match="without the `way` fixture"):
+        _ways_run()
 
 
 # ----------------------------------------------------------------------------------------------
