@@ -31,6 +31,7 @@ import argparse
 import functools
 import json
 import math
+import os
 import pathlib
 import platform
 import statistics
@@ -262,10 +263,13 @@ def load_rows(path: pathlib.Path) -> list[dict]:
 
 
 def save_run(path: pathlib.Path, rows: list[dict], machine: str) -> None:
-    """Writes `rows` as ``benchmarks/results/`` keeps a run: with the command that made it and
-    the machine it ran on."""
+    """Writes `rows` as ``benchmarks/results/`` keeps a run: with the command that made it,
+    the ``XLA_FLAGS`` it ran under (where set: they change what XLA compiles) and the machine
+    it ran on."""
     command = " ".join(["python", *sys.argv])
-    run = {"command": command, "machine": machine, "rows": rows}
+    run: dict = {"command": command, "machine": machine, "rows": rows}
+    if os.environ.get("XLA_FLAGS"):
+        run["xla_flags"] = os.environ["XLA_FLAGS"]
     path.write_text(json.dumps(run, indent=1, default=float))
 
 
@@ -273,17 +277,16 @@ def where() -> str:
     """The machine the figures come from."""
     device = jax.devices()[0]
     if device.platform == "cpu":
-        import os
-
         return f"CPU, {os.cpu_count()} cores"
     return device.device_kind
 
 
 def announce(what: str, quick: bool) -> None:
     """Prints the run's first line: what it measures, with which jax, on which machine."""
+    flags = f", XLA_FLAGS={os.environ['XLA_FLAGS']}" if os.environ.get("XLA_FLAGS") else ""
     print(
         f"{what}: jax {jax.__version__}, {where()} "
-        f"({platform.processor() or platform.machine()}), {'quick' if quick else 'full'}",
+        f"({platform.processor() or platform.machine()}), {'quick' if quick else 'full'}{flags}",
         flush=True,
     )
 

@@ -4,6 +4,7 @@
     python benchmarks/recurrent.py --only eqx-gru --batches 64 --methods ghost
     python benchmarks/recurrent.py --only eqx-gru hk-deeprnn --seqs 16 64 --batches 256
     python benchmarks/recurrent.py --markdown out.json  (a saved run's table)
+    python benchmarks/recurrent.py --markdown a.json --beside b.json  (two runs side by side)
 
 ``benchmarks/private.py``'s measurement (its ``measure``: XLA's compiled memory analysis of
 each jitted step, and its time in rounds interleaved with the non-private ``jax.grad`` step;
@@ -35,10 +36,13 @@ Each loss is called per example with a leading batch axis of 1 (as jax_privacy a
 Beside the figures, ``optclip.ghost_report``'s leaves that ``clipped_grad`` materialises
 (their per-example gradients formed): how many, their parameters, and the first one's reason.
 ``--seqs``: other sequence lengths than 32 (each recurrent model's rows named with its ``T``;
-the convnet runs once). ``--quick``: batch 16 and T=8 (a smoke test).
+the convnet runs once). ``--quick``: batch 16 and T=8 (a smoke test). A run under
+``XLA_FLAGS`` (XLA's CPU scheduler set to order for memory, say) keeps them in its ``--json``
+file; ``--markdown FILE --beside FILE2`` prints two runs' private steps side by side.
 """
 
 import dataclasses
+import json
 import math
 import pathlib
 import sys
@@ -51,7 +55,18 @@ from jax import lax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import _private_models  # noqa: E402
-from private import add_arguments, announce, cells, load_rows, measure, save_run, table, where  # noqa: E402
+from private import (  # noqa: E402
+    GHOST,
+    add_arguments,
+    announce,
+    cells,
+    load_rows,
+    measure,
+    ratio,
+    save_run,
+    table,
+    where,
+)
 
 MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "hk-deeprnn", "eqx-convnet"]
 
@@ -293,6 +308,14 @@ def materialised(loss, params, batch) -> dict:
     }
 
 
+def flags(path: pathlib.Path) -> str:
+    """The ``XLA_FLAGS`` a saved run ran under (``save_run`` keeps them), or ``default``."""
+    data = json.loads(path.read_text())
+    return (
+        f"`{data['xla_flags']}`" if isinstance(data, dict) and data.get("xla_flags") else "default"
+    )
+
+
 def markdown(rows) -> str:
     """The run's table: per model and batch, `private.markdown`'s ratios to the non-private
     step, then the leaves ``clipped_grad`` materialises (count, parameters) and the first
@@ -318,6 +341,26 @@ def markdown(rows) -> str:
     return "\n".join(lines)
 
 
+def beside(first: list[dict], second: list[dict], names: tuple[str, str]) -> str:
+    """Two runs of the same models and batches side by side (`names`: what each ran under):
+    per model and batch, ``clipped_grad``'s memory and time in each, as ratios to the
+    non-private step of its own run."""
+    heads = " | ".join(f"{what}, {name}" for what in ("memory", "time") for name in names)
+    lines = [f"| model, batch | {heads} |", "|---" * 5 + "|"]
+    ghost = [
+        {(r["model"], r["batch"]): r for r in rows if r["method"] == GHOST}
+        for rows in (first, second)
+    ]
+    if ghost[0].keys() != ghost[1].keys():
+        raise ValueError("the two runs measured other models or batches")
+    for model, batch in ghost[0]:
+        a, b = (g[model, batch] for g in ghost)
+        cells_ = [ratio(a["peak_ratio"]), ratio(b["peak_ratio"])]
+        cells_ += [ratio(a["time_ratio"]), ratio(b["time_ratio"])]
+        lines.append(f"| {model}, {batch} | " + " | ".join(cells_) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> list[dict]:
     import argparse
 
@@ -329,11 +372,22 @@ def main(argv=None) -> list[dict]:
         "--markdown", type=pathlib.Path, default=None, help="print a --json file's table"
     )
     parser.add_argument("--seqs", type=int, nargs="+", default=None, help="sequence lengths")
+    parser.add_argument(
+        "--beside",
+        type=pathlib.Path,
+        default=None,
+        help="with --markdown: a second saved run, printed beside the first",
+    )
     args = parser.parse_args(argv)
     args.pairs = args.pairs or (2 if args.quick else 5)
+    if args.beside and not args.markdown:
+        parser.error("--beside prints beside a --markdown file")
     if args.markdown:
         rows = load_rows(args.markdown)
-        print(markdown(rows))
+        if args.beside:
+            print(beside(rows, load_rows(args.beside), (flags(args.markdown), flags(args.beside))))
+        else:
+            print(markdown(rows))
         return rows
     shape, batches = (Shape(seq=8), (16,)) if args.quick else (Shape(), (32, 64, 128))
     batches = tuple(args.batches) if args.batches else batches

@@ -689,6 +689,47 @@ def test_the_compile_phases_are_read_from_xlas_log(tmp_path):
     assert proc.returncode == 2 and "must be a whole number of at least 1" in proc.stderr, proc
 
 
+def test_the_design_page_shows_the_recurrent_runs_in_both_scheduler_orders_side_by_side():
+    """ghost-costs.md's table of XLA's CPU scheduler is the two saved runs' (`recurrent.py
+    --markdown ... --beside ...`): the default order's, which kept no XLA flags, and the
+    memory order's, which kept the flag it ran under; the page's and the speed guide's "at most
+    1.39x" is the largest private memory ratio of the second."""
+    bench = load("recurrent.py")
+    results = ROOT / "benchmarks" / "results"
+    default, memory = (
+        results / f"recurrent_seqs_{n}_cpu.json" for n in ("default", "memory_order")
+    )
+    assert bench.flags(default) == "default"
+    assert bench.flags(memory) == "`--xla_cpu_enable_concurrency_optimized_scheduler=false`"
+    table = bench.beside(
+        bench.load_rows(default),
+        bench.load_rows(memory),
+        (bench.flags(default), bench.flags(memory)),
+    )
+    assert table in (ROOT / "docs" / "design" / "ghost-costs.md").read_text(encoding="utf-8")
+    ghost = [r for r in bench.load_rows(memory) if r["method"] == "optclip.clipped_grad"]
+    assert f"{max(r['peak_ratio'] for r in ghost):.2f}" == "1.39"
+    assert "at most 1.39x" in (ROOT / "docs" / "guides" / "speed.md").read_text(encoding="utf-8")
+
+
+def test_two_runs_side_by_side_must_be_of_the_same_models_and_batches():
+    bench = load("recurrent.py")
+    rows = bench.load_rows(ROOT / "benchmarks" / "results" / "recurrent_seqs_default_cpu.json")
+    with pytest.raises(ValueError, match="other models or batches"):
+        bench.beside(rows, rows[:-2], ("a", "b"))
+
+
+def test_a_saved_run_keeps_the_xla_flags_it_ran_under(tmp_path, monkeypatch):
+    private = load("private.py")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    private.save_run(tmp_path / "with.json", [], "a machine")
+    monkeypatch.delenv("XLA_FLAGS")
+    private.save_run(tmp_path / "without.json", [], "a machine")
+    kept = json.loads((tmp_path / "with.json").read_text())
+    assert kept["xla_flags"] == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    assert "xla_flags" not in json.loads((tmp_path / "without.json").read_text())
+
+
 def test_the_guide_and_the_design_pages_show_the_saved_compile_run():
     """The speed guide's compile-time table is the saved run's
     (`benchmarks/results/compile_cpu.json`), as `compile.py --markdown` prints it; the design
