@@ -352,7 +352,13 @@ def beside(first: list[dict], second: list[dict], names: tuple[str, str]) -> str
         for rows in (first, second)
     ]
     if ghost[0].keys() != ghost[1].keys():
-        raise ValueError("the two runs measured other models or batches")
+        only = [
+            sorted(f"{m}, {b}" for m, b in a.keys() - b.keys()) for a, b in (ghost, ghost[::-1])
+        ]
+        raise ValueError(
+            "the two runs measured other models or batches: only in the first "
+            f"{only[0] or 'none'}, only in the second {only[1] or 'none'}"
+        )
     for model, batch in ghost[0]:
         a, b = (g[model, batch] for g in ghost)
         cells_ = [ratio(a["peak_ratio"]), ratio(b["peak_ratio"])]
@@ -382,6 +388,9 @@ def main(argv=None) -> list[dict]:
     args.pairs = args.pairs or (2 if args.quick else 5)
     if args.beside and not args.markdown:
         parser.error("--beside prints beside a --markdown file")
+    for name, path in (("--markdown", args.markdown), ("--beside", args.beside)):
+        if path is not None and not path.is_file():
+            parser.error(f"{name}: no saved run at {path}")
     if args.markdown:
         rows = load_rows(args.markdown)
         if args.beside:
