@@ -96,12 +96,17 @@ def test_versions_comparison_runs_against_an_earlier_commit():
         assert new.endswith("ms") and base.endswith("ms"), row
 
 
-# Scripts run in a process of their own, bounded in time: `compile.py` clears JAX's caches (the
-# later tests of this process would trace again), `private_eager.py` starts processes of its
-# own, and `compile_phases.py` sets XLA's logging before JAX starts. The others run in the
-# test's process (their `main`, `sys.argv` theirs): a process of their own would spend 5 s or
-# more on its imports.
-OWN_PROCESS = ("compile.py", "profile/private_eager.py", "profile/compile_phases.py")
+# Scripts run in a process of their own, bounded in time: `compile.py` and `compile_parts.py`
+# clear JAX's caches (the later tests of this process would trace again), `private_eager.py`
+# starts processes of its own, and `compile_phases.py` sets XLA's logging before JAX starts.
+# The others run in the test's process (their `main`, `sys.argv` theirs): a process of their
+# own would spend 5 s or more on its imports.
+OWN_PROCESS = (
+    "compile.py",
+    "profile/private_eager.py",
+    "profile/compile_phases.py",
+    "profile/compile_parts.py",
+)
 
 
 def run_private(tmp_path, *args, script="private.py"):
@@ -122,7 +127,8 @@ def run_private(tmp_path, *args, script="private.py"):
         ):
             load(script).main(argv[1:])
     data = json.loads(out.read_text())
-    if script not in ("private.py", "compile.py", "recurrent.py", "profile/compile_phases.py"):
+    saved = ("private.py", "compile.py", "recurrent.py", "profile/compile_phases.py")
+    if script not in (*saved, "profile/compile_parts.py"):
         return data  # (the profilers write their rows alone)
     # A run as benchmarks/results/ keeps it: the command that made it and the machine.
     assert data["command"].startswith("python ") and "--json" in data["command"], data["command"]
@@ -687,6 +693,33 @@ def test_the_compile_phases_are_read_from_xlas_log(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "must be a whole number of at least 1" in proc.stderr, proc
+
+
+@pytest.mark.slow
+def test_the_ghost_steps_compile_is_measured_part_by_part(tmp_path):
+    """benchmarks/profile/compile_parts.py: every program of the ghost step's parts, written
+    out with the engine's functions, computes the norms and clipped sums it names (against the
+    script's float64 reference, the engine's own step too), and is compiled beside the
+    non-private step; a part with a wrong sum is caught by that comparison."""
+    rows = run_private(
+        tmp_path, "--only", "mlp-4", "--repeats", "1", script="profile/compile_parts.py"
+    )
+    parts = load("profile/compile_parts.py")
+    assert [r["variant"] for r in rows] == list(parts.VARIANTS), rows
+    for r in rows:
+        assert r["error"] < 1e-5, r
+        assert 0 < r["distinct"] <= r["fusions"] and r["compile_s"] > 0, r
+    by = {r["variant"]: r for r in rows}
+    assert by["jax.grad (non-private)"]["total_ratio"] == 1.0
+    assert by[parts.SPLIT]["fusions"] > by[parts.STACKED]["fusions"], rows
+    # a sum without its bias term is an error the comparison reports
+    _, setup = parts.MODELS["mlp-4"]
+    _, params, batch = setup()
+    want = parts.reference(params, batch)
+    norms, sums = jax.jit(parts.part(parts.SUMS))(params, batch)
+    assert parts.error(parts.SUMS, (norms, sums), want) < 1e-5
+    sums[1] = (sums[1][0], 0 * sums[1][1])
+    assert parts.error(parts.SUMS, (norms, sums), want) == 1.0
 
 
 def test_the_design_page_shows_the_recurrent_runs_in_both_scheduler_orders_side_by_side():
