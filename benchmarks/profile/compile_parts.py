@@ -195,7 +195,11 @@ def error(variant: str, got, want) -> float:
         return 0.0
     if variant == GHOST:  # (the engine's step: its sums, leaf by leaf)
         pairs = [(got[f"dense{i}"]["kernel"], got[f"dense{i}"]["bias"]) for i in range(len(got))]
-        return max(relative(a, b) for p, q in zip(pairs, want[1]) for a, b in zip(p, q))
+        return max(
+            relative(a, b)
+            for p, q in zip(pairs, want[1], strict=True)
+            for a, b in zip(p, q, strict=True)
+        )
     norms, sums = got
     out = [relative(norms, want[0])]
     if sums is not None:
@@ -228,7 +232,8 @@ def _fusions(compiled) -> tuple[int, int]:
 
 
 def makers(name: str):
-    """``{variant: (make, params, batch)}`` for model `name`."""
+    """``({variant: make}, params, batch)`` for model `name`: each `make` returns a new
+    function on every call (no cache keyed on it answers)."""
     _, setup = MODELS[name]
     loss, params, batch = setup()
     n = models.parameter_count(params)
