@@ -127,8 +127,14 @@ def run_private(tmp_path, *args, script="private.py"):
         ):
             load(script).main(argv[1:])
     data = json.loads(out.read_text())
-    saved = ("private.py", "compile.py", "recurrent.py", "profile/compile_phases.py")
-    if script not in (*saved, "profile/compile_parts.py"):
+    saved = (
+        "private.py",
+        "compile.py",
+        "recurrent.py",
+        "profile/compile_phases.py",
+        "profile/compile_parts.py",
+    )
+    if script not in saved:
         return data  # (the profilers write their rows alone)
     # A run as benchmarks/results/ keeps it: the command that made it and the machine.
     assert data["command"].startswith("python ") and "--json" in data["command"], data["command"]
