@@ -23,6 +23,7 @@ program.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -85,6 +86,7 @@ def _ints(dtype):
     return {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[jnp.finfo(dtype).bits]
 
 
+@jax.jit
 def exponent(m):
     """The int32 `e` with ``2**(e-1) <= m < 2**e`` of each magnitude `m` (>= 0, a float):
     read from its bits; `ZERO_EXPONENT` for 0 (and a subnormal, which XLA flushes); above
@@ -96,6 +98,7 @@ def exponent(m):
     return lax.select(field == 0, lax.full_like(field, ZERO_EXPONENT), field - (info.maxexp - 2))
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def powers_of_two(k, dtype):
     """``2**k`` in the floating `dtype` as two factors, ``2**(k//2)`` and ``2**(k - k//2)``,
     to multiply by one after the other: each is exact (built from its bits) and normal, for
@@ -115,6 +118,7 @@ def powers_of_two(k, dtype):
     return bits(half), bits(k - half)
 
 
+@functools.partial(jax.jit, static_argnames=("dtype",))
 def power_of_two(k, dtype):
     """``2**k`` in the floating `dtype`, built from its bits: exact for `k` within `dtype`'s
     normal exponents (the caller's to ensure)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -120,6 +121,7 @@ FLAG = 2**22
 FLAGGED = 2**21
 
 
+@functools.partial(jax.jit, static_argnames=("axis", "sliced"))
 def exponents_of(x, axis: int, sliced: tuple | None = None):
     """Per index of `x`'s first ``axis + 1`` dimensions (the layers of the scans, then the
     examples, as the tapped pass stacks records and output gradients), the exponent ``e`` of
@@ -142,6 +144,7 @@ def exponents_of(x, axis: int, sliced: tuple | None = None):
     return _flagged_exponent(m)
 
 
+@jax.jit
 def exponent_of(x):
     """`exponents_of` of `x` as a whole (a scalar)."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
@@ -165,6 +168,7 @@ def _flagged_exponent(m):
     return jnp.where(e > jnp.finfo(m.dtype).maxexp, FLAG, e)
 
 
+@jax.jit
 def scaled(x, e):
     """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
     `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of

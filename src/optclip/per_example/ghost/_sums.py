@@ -51,6 +51,7 @@ def _weights_record(site, record, cotangent) -> bool:
     return _bilinear(site, record, cotangent) and record[0].size < cotangent[0].size
 
 
+@jax.jit
 def scaled(w, exponent, shift=0):
     """``w * 2**(exponent - shift)`` per example (and layer: `exponent` ``(*levels, B)``,
     `shift` ``(*levels)``), its power of two applied in two halves (a factor normal wherever
@@ -94,6 +95,7 @@ def _times_power(x, k):
     return (x * first) * second
 
 
+@jax.jit
 def _times(x, c):
     """`x` (laid out ``(*levels, B, ...)``) times `c` (``(*levels, B)``), rounded once to `x`'s
     dtype (float32 arithmetic for a float16 or bfloat16 `x`)."""
