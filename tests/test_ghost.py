@@ -504,6 +504,25 @@ def test_the_step_has_no_conditional_at_any_depth(dtype):
     assert "conditional(" not in lowered[4].compile().as_text()
 
 
+def test_the_normalizations_arithmetic_is_lowered_once_per_shape():
+    """The engine's per-tensor arithmetic (a record's or output gradient's exponents, its
+    scaled copy, a factor's powers of two) is jitted: a model of 4 layers lowers each such
+    function as often as a model of 1 (once per shape) and calls it at every layer, so that
+    the step's program grows by calls, not by copies of the arithmetic."""
+
+    def lowered(layers):
+        loss, params, x = gm.unrolled(np.random.default_rng(33), layers=layers)
+        text = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0)).lower(params, x).as_text()
+        names = r"(?:exponents_of|exponent_of|scaled|powers_of_two)\w*"
+        defined = re.findall(rf"func\.func private @{names}\(", text)
+        called = re.findall(rf"call @{names}\(", text)
+        return len(defined), len(called)
+
+    (defined_1, called_1), (defined_4, called_4) = lowered(1), lowered(4)
+    assert defined_4 == defined_1 > 0, (defined_1, defined_4)
+    assert called_4 >= called_1 + 3 * 4, (called_1, called_4)
+
+
 @pytest.mark.parametrize("way", ["cpu", "default"])
 def test_a_model_of_single_rows_is_exact_on_every_platform(way, monkeypatch):
     """The MLP (each dense layer applied to one row per example, its biases materialised),
