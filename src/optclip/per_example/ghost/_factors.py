@@ -18,7 +18,9 @@ operations. Terms come out per layer and example, shape ``(L, B)``.
 
 Powers of two are built from their bits (`powers_of_two`, `exponent`): exact, a few integer
 operations each, where ``jnp.ldexp`` and ``jnp.frexp`` are dozens of operations in the
-program.
+program. They are jitted, as the engine's other per-tensor arithmetic is (`_interpret.scaled`,
+`_sums.scaled`): each is traced and lowered once per shape and called at every layer. XLA
+inlines the calls, so the compiled program is the one the operations written out would give.
 """
 
 from __future__ import annotations
