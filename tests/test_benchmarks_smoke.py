@@ -355,6 +355,25 @@ def test_the_steps_device_time_is_profiled_by_source_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_the_steps_page_faults_are_counted(tmp_path):
+    """private_parts.py --faults: each step's minor page faults per call, as pages, beside its
+    temporaries. A compiled step run again touches at most its temporaries' pages and a few
+    more (its outputs, the runtime's bookkeeping): a count that took in the compile, or the
+    calls' total, would be above that."""
+    import resource
+
+    args = ("--quick", "--faults", "--variants", "ghost", "norms at 1")
+    rows = run_private(tmp_path, *args, "--pairs", "4", script="profile/private_parts.py")
+    names = [r["variant"] for r in rows]
+    assert names == ["jax.grad (non-private)", "ghost", "norms at 1"], names
+    for r in rows:
+        assert r["batch"] == 8 and r["temp_bytes"] > 0, r
+        assert r["faulted_bytes"] == r["faults"] * resource.getpagesize(), r
+        assert 0 <= r["faulted_bytes"] <= r["temp_bytes"] + 2**22, r
+    refused("--faults", "--memory", why="--faults counts the steps' page faults")
+
+
+@pytest.mark.slow
 def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     """private_parts.py --flops: each variant's matrix-product operations from its jaxpr. The
     step with its norms taken out does the non-private step's products (the clipped sums are

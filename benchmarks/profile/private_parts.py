@@ -13,6 +13,8 @@
         [--batches 16 64 256]
         [--dtype bfloat16]
     python benchmarks/profile/private_parts.py --kernels [--mlp] [--batches 256] [--top 30]
+    python benchmarks/profile/private_parts.py --faults --recurrent flax-lstm --seq 16
+        [--batches 256] [--variants ghost]
 
 On the transformer of `benchmarks/private.py` (d=256, T=128, vocabulary 8192, 4 scanned blocks),
 side by side in one process (interleaved medians, ratios to the non-private step):
@@ -78,6 +80,12 @@ adds such leaves' sums in float32, and XLA on a CPU computes their products in f
 time per call by the source line of each HLO instruction, a GPU's kernels summed per
 instruction) and prints the `--top` lines whose time differs most between them: the model's
 own lines (the tapped pass against the ordinary backward pass) beside the engine's.
+
+``--faults``, in place of timing, counts each step's minor page faults per call (the
+process's, `resource.getrusage`, over ``--pairs`` calls after two, each run to its end) beside
+the temporaries XLA's analysis gives it (`temp_size_in_bytes`). XLA's CPU runtime allocates a
+step's temporaries at every call, and a page the allocator maps afresh faults when the step
+first writes it: on a CPU, that time is part of the step's.
 
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``, at JAX's
 default precision, as the engine computes it for a product at that precision) three ways:
@@ -267,6 +275,35 @@ def memory(loss, params, batch, variants=tuple(VARIANTS)) -> list[dict]:
     return rows
 
 
+def faults(loss, params, batch, calls: int, variants=tuple(VARIANTS)) -> list[dict]:
+    """The minor page faults per call of the non-private step and of each of `variants`
+    (`resource.getrusage` over `calls` calls after two), and each one's temporaries by XLA's
+    analysis of it compiled for this machine, untimed."""
+    import resource
+
+    size = jax.tree.leaves(batch)[0].shape[0]
+    page = resource.getpagesize()
+
+    def counted(f) -> dict:
+        compiled = jax.jit(f).lower(params, batch).compile()
+        for _ in range(2):
+            jax.block_until_ready(compiled(params, batch))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(calls):
+            jax.block_until_ready(compiled(params, batch))
+        count = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        return dict(batch=size, faults=count, faulted_bytes=count * page, temp_bytes=temp)
+
+    rows = [dict(variant="jax.grad (non-private)", **counted(_non_private(loss, size)))]
+    for name in variants:
+        with swapped(VARIANTS[name]):
+            rows.append(
+                dict(variant=name, **counted(optclip.clipped_grad(loss, l2_clip_norm=CLIP)))
+            )
+    return rows
+
+
 @contextlib.contextmanager
 def gpu_branches():
     """The engine's `lax.platform_dependent` choices made as on a GPU (their default branch)
@@ -416,6 +453,11 @@ def main(argv=None) -> list[dict]:
         "--memory", action="store_true", help="each variant's compiled peak memory, untimed"
     )
     parser.add_argument(
+        "--faults",
+        action="store_true",
+        help="each variant's page faults per call and its temporaries, untimed",
+    )
+    parser.add_argument(
         "--gpu-branches",
         action="store_true",
         help="the engine's platform choices made as on a GPU, compiled for this machine",
@@ -446,6 +488,11 @@ def main(argv=None) -> list[dict]:
         parser.error("--flops counts the steps' parts: not with --memory, --grams or --products")
     if args.memory and (args.grams or args.products):
         parser.error("--memory sizes the steps' parts: not with --grams or --products")
+    if args.faults and (args.kernels or args.flops or args.memory or args.grams or args.products):
+        parser.error(
+            "--faults counts the steps' page faults: not with --kernels, --flops, --memory, "
+            "--grams or --products"
+        )
     if args.gpu_branches and (args.kernels or args.grams or args.products):
         parser.error(
             "--gpu-branches builds the ghost steps: not with --kernels, --grams or --products"
@@ -508,6 +555,8 @@ def main(argv=None) -> list[dict]:
                     new = flops(loss, params, make_batch(b), args.variants)
                 elif args.memory:
                     new = memory(loss, params, make_batch(b), args.variants)
+                elif args.faults:
+                    new = faults(loss, params, make_batch(b), pairs, args.variants)
                 else:
                     new = parts(loss, params, make_batch(b), pairs, args.variants)
         for row in new:
@@ -520,6 +569,10 @@ def main(argv=None) -> list[dict]:
             elif "flops" in row:
                 text = f"batch {b:4d}  {label:24s} {row['flops'] / 1e9:10.2f} GFLOP"
                 ratio = row.get("flop_ratio")
+            elif "faults" in row:
+                text = f"batch {b:4d}  {label:24s} {row['faults']:10.0f} faults per call"
+                text += f" ({row['faulted_bytes'] / 2**20:.1f} MiB), temporaries"
+                text += f" {row['temp_bytes'] / 2**20:.1f} MiB"
             elif "peak_bytes" in row:
                 text = f"batch {b:4d}  {label:24s} {row['peak_bytes'] / 2**20:10.3f} MiB"
                 ratio = row.get("memory_ratio")
