@@ -303,6 +303,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "output gradients unpinned",
         "Grams at HIGHEST",
         "convolutions' sums together",
+        "scans' steps kept whole",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="profile/private_parts.py")
@@ -383,7 +384,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
     variants = ["ghost", "norms at 1", "sums of 0", "Grams only", "direct products"]
     variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
-    variants += ["Grams at HIGHEST", "convolutions' sums together"]
+    variants += ["Grams at HIGHEST", "convolutions' sums together", "scans' steps kept whole"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     forced = ("Grams only", "direct products")  # (other products than the route chosen)

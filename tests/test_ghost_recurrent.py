@@ -351,3 +351,43 @@ def test_no_reduction_or_sum_contracts_a_size_1_dimension_beside_others(name):
         (contract, _), _ = eqn.params["dimension_numbers"]
         shape = eqn.invars[0].aval.shape
         assert len(contract) == 1 or all(shape[d] != 1 for d in contract), eqn
+
+
+def test_a_scans_step_keeps_its_products_and_computes_the_rest_again(monkeypatch):
+    """`_interpret.SCAN_SAVES`: the tapped pass's scans keep each step's products for the
+    backward pass and compute the gates again, since every step's records and output gradients
+    are kept beside them. An LSTM written with `lax.scan` takes less memory by XLA's analysis
+    than with every value of its steps kept (the policy that saves everything)."""
+    from optclip.per_example.ghost import _interpret
+
+    rng = np.random.default_rng(3)
+    steps, batch, hidden = 32, 32, 64
+    params = {
+        "w": jnp.asarray(rng.normal(size=(hidden, 4 * hidden)) * 0.1, jnp.float32),
+        "u": jnp.asarray(rng.normal(size=(hidden, 4 * hidden)) * 0.1, jnp.float32),
+    }
+    x = jnp.asarray(rng.normal(size=(batch, steps, hidden)), jnp.float32)
+
+    def loss(p, xs):  # (one example of a batch of one: xs is (1, T, hidden))
+        def cell(carry, xt):
+            h, c = carry
+            i, f, g, o = jnp.split(xt @ p["w"] + h @ p["u"], 4, axis=-1)
+            c = jax.nn.sigmoid(f) * c + jax.nn.sigmoid(i) * jnp.tanh(g)
+            h = jax.nn.sigmoid(o) * jnp.tanh(c)
+            return (h, c), h
+
+        zeros = jnp.zeros((xs.shape[0], hidden), xs.dtype)
+        _, hs = jax.lax.scan(cell, (zeros, zeros), jnp.swapaxes(xs, 0, 1))
+        return jnp.sum(jnp.sin(hs))
+
+    def peak():
+        step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+        m = jax.jit(step).lower(params, x).compile().memory_analysis()
+        used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+        return used - m.alias_size_in_bytes
+
+    products_kept = peak()
+    monkeypatch.setattr(_interpret, "SCAN_SAVES", jax.checkpoint_policies.everything_saveable)
+    everything_kept = peak()
+    # (0.91x at this shape, XLA of jax 0.10.2 on a CPU)
+    assert products_kept < 0.95 * everything_kept, (products_kept, everything_kept)

@@ -39,12 +39,16 @@ side by side in one process (interleaved medians, ratios to the non-private step
   float32 products are float32 at every precision, the same step as ``ghost``;
 * ``convolutions' sums together``: the convolutions' clipped sums in one program on a CPU,
   where they otherwise go one after another (`_sums.in_turn`). On a model with fewer than
-  two convolved leaves, the same step as ``ghost``.
+  two convolved leaves, the same step as ``ghost``;
+* ``scans' steps kept whole``: every value a scan's step computes kept for the backward pass
+  (`_interpret.SCAN_SAVES` saving everything), where the engine keeps its products' outputs
+  and computes the rest again. On a model with no scan, the same step as ``ghost``.
 
 The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
 `_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
-`_factors.product_precision`, `_sums.in_turn`) while each step is traced; each variant's
-norms are checked to be what it says (1 for ``norms at 1``). A diagnostic, not a contract.
+`_factors.product_precision`, `_sums.in_turn`, `_interpret.SCAN_SAVES`) while each step is
+traced; each variant's norms are checked to be what it says (1 for ``norms at 1``). A
+diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -156,6 +160,7 @@ VARIANTS = {
     "output gradients unpinned": {"in_row_major": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "convolutions' sums together": {"in_turn": _together},
+    "scans' steps kept whole": {"SCAN_SAVES": jax.checkpoint_policies.everything_saveable},
 }
 _MODULES = {
     "norms": _norms,
@@ -165,6 +170,7 @@ _MODULES = {
     "in_row_major": _interpret,
     "product_precision": _factors,
     "in_turn": _sums,
+    "SCAN_SAVES": _interpret,
 }
 
 

@@ -62,15 +62,13 @@ class Tapped:
         return not spec or spec[0] is None
 
     def example(self, b) -> Tapped:
-        """The same for example `b` alone (a batch of one; `b` may be traced; see
-        `one_by_one`)."""
+        """The same for example `b` alone (a batch of one; `b` may be traced; `one_by_one`)."""
 
         def cut(x, axis):
             if x.dtype == jnp.bfloat16:
                 # XLA on a CPU slices a bfloat16 array in float32: in a loop over the examples
-                # it hoisted a float32 copy of the whole array out of the loop. The array tied
-                # to `b` is not loop-invariant (a float32 array is left alone: the barrier
-                # costs time).
+                # it hoisted a float32 copy of the whole array out of the loop. Tied to `b`, it
+                # is not loop-invariant (a float32 array is left alone: the barrier costs time).
                 x, at = lax.optimization_barrier((x, b))
                 return lax.dynamic_slice_in_dim(x, at, 1, axis=axis)
             return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)
@@ -93,8 +91,7 @@ class Tapped:
 def _located(eqn):
     """The context that gives what `eqn` binds its own source line and name, as
     `jax.core.eval_jaxpr` does: a profile or the compiled module's metadata of the private step
-    then names the model's lines, not this module's (nothing kept where JAX's private API for
-    it is missing or differs: the step is the same)."""
+    then names the model's lines (none kept where JAX's private API for it differs)."""
     info: Any = getattr(eqn, "source_info", None)
     try:
         stack = source_info_util.current_name_stack() + info.name_stack
@@ -154,9 +151,8 @@ def exponent_of(x):
 
 def _largest_magnitudes(x, axis: int):
     """``max |x|`` over the dimensions after `axis`. Where the last of several is of size 1,
-    they are merged into one first (a bitcast), behind a barrier that keeps XLA from folding
-    the reshape back into the reduction. Only there: elsewhere the barrier can cost a copy of
-    `x`."""
+    they are merged into one first (a bitcast), behind a barrier that keeps XLA from folding the
+    reshape back into the reduction. Only there: elsewhere the barrier can cost a copy of `x`."""
     if x.ndim > axis + 2 and x.shape[-1] == 1:
         x = lax.optimization_barrier(x.reshape(*x.shape[: axis + 1], -1))
     return jnp.max(jnp.abs(x), axis=tuple(range(axis + 1, x.ndim)))
@@ -173,9 +169,8 @@ def scaled(x, e):
     """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
     `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of
     `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. The
-    records and output gradients are kept as they are, and scaled only after the backward
-    pass (not beside it): no product of them the norms and sums form overflows or
-    flushes."""
+    records and output gradients are kept as they are, and scaled only after the backward pass
+    (not beside it): no product of them the norms and sums form overflows or flushes."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return x
     e = jnp.reshape(e, jnp.shape(e) + (1,) * (x.ndim - jnp.ndim(e)))
@@ -345,9 +340,17 @@ def run(jaxpr, consts, args, plan, taps, records, at):
     return [read(v) for v in jaxpr.outvars]
 
 
+# What a scan's step keeps for the backward pass: its products' outputs (its elementwise work
+# is done again there), as `jax.checkpoint`'s policy.
+SCAN_SAVES = jax.checkpoint_policies.dots_saveable
+
+
 def _scan(eqn, subplan, invals, taps, records, at):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
-    sliced along the scan like its ``xs`` and the records stacked like its ``ys``."""
+    sliced along the scan like its ``xs`` and the records stacked like its ``ys``. The step
+    is rematerialised but for its products (`SCAN_SAVES`): the backward pass needs the
+    records and output gradients of every step beside the model's own residuals, and the
+    gates' and activations' values are cheaper to compute again than to keep."""
     params = eqn.params
     body = params["jaxpr"]
     consts, carry = _jaxprs.scan_counts(eqn)
@@ -361,7 +364,7 @@ def _scan(eqn, subplan, invals, taps, records, at):
         return outs[:carry], (outs[carry:], step_records)
 
     state, (ys, scan_records) = lax.scan(
-        step,
+        jax.checkpoint(step, prevent_cse=False, policy=SCAN_SAVES),
         invals[consts : consts + carry],
         (invals[consts + carry :], {i: taps[i] for i in ids}),
         length=params["length"],
