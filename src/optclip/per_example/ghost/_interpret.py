@@ -348,9 +348,9 @@ SCAN_SAVES = jax.checkpoint_policies.dots_saveable
 def _scan(eqn, subplan, invals, taps, records, at):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``. The step
-    is rematerialised but for its products (`SCAN_SAVES`): the backward pass needs the
-    records and output gradients of every step beside the model's own residuals, and the
-    gates' and activations' values are cheaper to compute again than to keep."""
+    is rematerialised but for its products (`SCAN_SAVES`): the backward pass keeps the
+    records and output gradients of every step, and computes the gates' and activations'
+    values again rather than keep them beside those."""
     params = eqn.params
     body = params["jaxpr"]
     consts, carry = _jaxprs.scan_counts(eqn)
