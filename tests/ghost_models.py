@@ -382,3 +382,11 @@ def assert_tree_close(actual, expected, rtol=RTOL, whole=False):
         assert a.shape == np.shape(e), (a.shape, np.shape(e))
         scale = max(largest if whole else np.max(np.abs(e), initial=0), 1e-30)
         np.testing.assert_allclose(a, e, rtol=0, atol=rtol * scale)
+
+
+def compiled_peak(step, *args) -> int:
+    """The bytes XLA's memory analysis gives the jitted `step` on `args`: its arguments,
+    outputs and temporaries, less what its outputs alias."""
+    m = jax.jit(step).lower(*args).compile().memory_analysis()
+    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    return used - m.alias_size_in_bytes

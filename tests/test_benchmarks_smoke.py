@@ -374,6 +374,17 @@ def test_the_steps_page_faults_are_counted(tmp_path):
     refused("--faults", "--memory", why="--faults counts the steps' page faults")
 
 
+def test_page_faults_are_refused_where_they_are_not_counted(monkeypatch):
+    """private_parts.py --faults on a platform without `resource` (Windows) is an argparse
+    error that says why, not an ImportError after the model is built."""
+    parts = load("profile/private_parts.py")
+    monkeypatch.setattr(parts, "faults_counted", lambda: False)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as exited:
+        parts.main(["--quick", "--faults"])
+    assert exited.value.code == 2 and "POSIX only" in err.getvalue(), err.getvalue()
+
+
 @pytest.mark.slow
 def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     """private_parts.py --flops: each variant's matrix-product operations from its jaxpr. The

@@ -2590,12 +2590,7 @@ def test_the_output_gradient_is_kept_once_not_beside_its_scaled_copy():
         logits = jnp.tanh(p["embed"][i] @ p["w"]) @ p["out"]
         return -jnp.sum(jax.nn.log_softmax(logits)[..., 0])
 
-    def peak(step):
-        m = jax.jit(step).lower(params, ids).compile().memory_analysis()
-        used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-        return used - m.alias_size_in_bytes
-
     summed = lambda p, i: jnp.sum(jax.vmap(loss, in_axes=(None, 0))(p, i[:, None]))  # noqa: E731
-    plain = peak(jax.grad(summed))
-    ghost = peak(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+    plain = gm.compiled_peak(jax.grad(summed), params, ids)
+    ghost = gm.compiled_peak(optclip.clipped_grad(loss, l2_clip_norm=1.0), params, ids)
     assert ghost <= 0.9 * plain, (ghost, plain)

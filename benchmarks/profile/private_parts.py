@@ -89,7 +89,7 @@ own lines (the tapped pass against the ordinary backward pass) beside the engine
 process's, `resource.getrusage`, over ``--pairs`` calls after two, each run to its end) beside
 the temporaries XLA's analysis gives it (`temp_size_in_bytes`). XLA's CPU runtime allocates a
 step's temporaries at every call, and a page the allocator maps afresh faults when the step
-first writes it: on a CPU, that time is part of the step's.
+first writes it: on a CPU, that time is part of the step's. POSIX only (`resource`).
 
 ``--grams`` times the output layer's per-example Gram ``G G^T`` (``(B, T, V)``, at JAX's
 default precision, as the engine computes it for a product at that precision) three ways:
@@ -279,6 +279,13 @@ def memory(loss, params, batch, variants=tuple(VARIANTS)) -> list[dict]:
             peak = private.peak_bytes(compiled(optclip.clipped_grad(loss, l2_clip_norm=CLIP)))
         rows.append(dict(variant=name, batch=size, peak_bytes=peak, memory_ratio=peak / base))
     return rows
+
+
+def faults_counted() -> bool:
+    """Whether this platform counts a process's page faults (`resource`, POSIX)."""
+    import importlib.util
+
+    return importlib.util.find_spec("resource") is not None
 
 
 def faults(loss, params, batch, calls: int, variants=tuple(VARIANTS)) -> list[dict]:
@@ -494,6 +501,8 @@ def main(argv=None) -> list[dict]:
         parser.error("--flops counts the steps' parts: not with --memory, --grams or --products")
     if args.memory and (args.grams or args.products):
         parser.error("--memory sizes the steps' parts: not with --grams or --products")
+    if args.faults and not faults_counted():
+        parser.error("--faults counts page faults with Python's `resource` module: POSIX only")
     if args.faults and (args.kernels or args.flops or args.memory or args.grams or args.products):
         parser.error(
             "--faults counts the steps' page faults: not with --kernels, --flops, --memory, "
