@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
+from jax import ad_checkpoint, lax
 from jax.experimental import layout
 from jax.extend import core as jcore
 
@@ -216,9 +216,8 @@ tap.defvjp(_tap_forward, _tap_backward)
 
 @jax.custom_vjp
 def tap_in_scan(y, t, e):
-    """`tap` inside a scan's body: the gradient of `e` is 0, the output gradients' exponents
-    taken after the backward pass, on every step's at once (`exponents_of`), not one step at
-    a time inside the backward pass's loop."""
+    """`tap` inside a scan's body: the gradient of `e` is 0 (the output gradients' exponents
+    are taken after the backward pass, every step's at once: `exponents_of`)."""
     del t, e
     return y
 
@@ -298,10 +297,10 @@ def tap_shapes(sites, shapes):
     }
 
 
-def run(jaxpr, consts, args, plan, taps, records, at):
-    """Evaluates `jaxpr` on `args` with `taps` (``{site id: taps}``) of `plan`'s sites at the
-    variables `at` places them (``{variable: _shared.Spot}``), filling `records` (``{record
-    key: recorded operand}``) with the sites' recorded operands. Returns the outputs."""
+def run(jaxpr, consts, args, plan, taps, records, placed):
+    """The outputs of `jaxpr` on `args`, with `taps` (``{site id: taps}``) of `plan`'s sites at
+    the variables `placed` (`_shared.Placement`) places them and its `kept` ones named `KEPT`;
+    fills `records` (``{record key: recorded operand}``) with the sites' recorded operands."""
     env: dict = {}
 
     def read(v):
@@ -314,8 +313,10 @@ def run(jaxpr, consts, args, plan, taps, records, at):
     for index, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         subplan = plan.subplans.get(index)
-        if subplan is not None and any(site.id in taps for site in subplan.all_sites()):
-            outs = _call(eqn, subplan, invals, taps, records, at)
+        tapped = subplan is not None and any(site.id in taps for site in subplan.all_sites())
+        if tapped or not placed.kept.isdisjoint(_jaxprs.call_products(eqn)):
+            subplan = subplan or plan._replace(sites={}, subplans={})  # (its products named)
+            outs = _call(eqn, subplan, invals, taps, records, placed)
         else:
             site = plan.sites.get(index)
             if site is not None and site.id not in taps and _broadcast(site):
@@ -328,7 +329,7 @@ def run(jaxpr, consts, args, plan, taps, records, at):
                         records[key] = invals[i]
         outs = list(outs)
         for j, v in enumerate(eqn.outvars):
-            spot = at.get(v)
+            spot = placed.at.get(v)
             if spot is not None and spot.site in taps:
                 t, e = taps[spot.site][spot.slot]
                 # (a variable shared by the batch, not `batched`, made each example's)
@@ -336,21 +337,21 @@ def run(jaxpr, consts, args, plan, taps, records, at):
                 outs[j] = (tap_in_scan if spot.depth else tap)(y, t, e)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
-                env[v] = x
+                env[v] = ad_checkpoint.checkpoint_name(x, KEPT) if v in placed.kept else x
     return [read(v) for v in jaxpr.outvars]
 
 
-# What a scan's step keeps for the backward pass: its products' outputs (its elementwise work
-# is done again there), as `jax.checkpoint`'s policy.
-SCAN_SAVES = jax.checkpoint_policies.dots_saveable
+# What a scan's step keeps for the backward pass, as `jax.checkpoint`'s policy: the values
+# named `KEPT` (`_shared.Placement.kept`); the rest of the step is computed again there.
+KEPT = "optclip.kept"
+SCAN_SAVES = jax.checkpoint_policies.save_only_these_names(KEPT)
 
 
-def _scan(eqn, subplan, invals, taps, records, at):
+def _scan(eqn, subplan, invals, taps, records, placed):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
     sliced along the scan like its ``xs`` and the records stacked like its ``ys``. The step
-    is rematerialised but for its products (`SCAN_SAVES`): the backward pass keeps the
-    records and output gradients of every step, and computes the gates' and activations'
-    values again rather than keep them beside those."""
+    is rematerialised but for its `KEPT` values (`SCAN_SAVES`): beside every step's records
+    and output gradients, the backward pass computes its gates and activations again."""
     params = eqn.params
     body = params["jaxpr"]
     consts, carry = _jaxprs.scan_counts(eqn)
@@ -360,7 +361,7 @@ def _scan(eqn, subplan, invals, taps, records, at):
         xs, step_taps = x
         step_records: dict = {}
         args = [*invals[:consts], *state, *xs]
-        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, at)
+        outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, placed)
         return outs[:carry], (outs[carry:], step_records)
 
     state, (ys, scan_records) = lax.scan(
@@ -375,18 +376,18 @@ def _scan(eqn, subplan, invals, taps, records, at):
     return [*state, *ys]
 
 
-def _call(eqn, subplan, invals, taps, records, at):
+def _call(eqn, subplan, invals, taps, records, placed):
     """A call, rematerialised block or scan with sites inside, evaluated by `run`."""
     if eqn.primitive.name == "scan":
-        return _scan(eqn, subplan, invals, taps, records, at)
+        return _scan(eqn, subplan, invals, taps, records, placed)
     jaxpr, consts = _jaxprs.sub_jaxpr(eqn)
     if eqn.primitive.name not in _jaxprs.REMATS:
-        return run(jaxpr, consts, invals, subplan, taps, records, at)
+        return run(jaxpr, consts, invals, subplan, taps, records, placed)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
 
     def block(invals, block_taps):
         block_records: dict = {}
-        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, at)
+        outs = run(jaxpr, consts, invals, subplan, block_taps, block_records, placed)
         return outs, block_records
 
     remat = jax.checkpoint(

@@ -41,6 +41,16 @@ def sub_jaxpr(eqn):
     return inner, ()
 
 
+def call_products(eqn) -> list:
+    """The outputs of the products (`PRODUCTS`) inside the call `eqn` (`CALLS`) and the calls
+    it makes; none for any other equation."""
+    if eqn.primitive.name not in CALLS or sub_jaxpr(eqn) is None:
+        return []
+    inner = sub_jaxpr(eqn)[0].eqns
+    own = [v for e in inner if e.primitive.name in PRODUCTS for v in e.outvars]
+    return own + [v for e in inner for v in call_products(e)]
+
+
 def scan_counts(eqn) -> tuple[int, int]:
     """A `scan`'s numbers of consts and of carries, which lead its operands and its body's
     inputs: its ``num_consts`` and ``num_carry`` (jax 0.10), or the sizes of the first two of

@@ -60,9 +60,7 @@ def tapped_pass(one, flat: Flat, s: Settings):
         for k, delta in deltas.items():  # each example's own copy of a materialised leaf
             flat_leaves[where[k]] = flat_leaves[where[k]] + delta
         records: dict = {}
-        outs = _interpret.run(
-            closed.jaxpr, closed.consts, flat_leaves, plan, taps, records, placed.at
-        )
+        outs = _interpret.run(closed.jaxpr, closed.consts, flat_leaves, plan, taps, records, placed)
         return outs, records
 
     in_axes = [0 if b else None for b in flat.batched]

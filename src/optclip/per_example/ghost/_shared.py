@@ -83,19 +83,23 @@ class Placement(NamedTuple):
     variable is one object); `shapes`: ``{site id: tuple of ShapeDtypeStruct}``, one
     example's variables that each site's taps are for (not stacked along scans); `gradients`:
     ``{site id: tuple of Tapped, Split, Sliced or Transposed}``, how each floating output's
-    gradient is made of the tapped variables'."""
+    gradient is made of the tapped variables'; `kept`: the variables of scans' steps that the
+    backward pass reads rather than computes again (`_interpret.SCAN_SAVES`): where the
+    output gradients of the step's tapped sites are taken (the sums, parts and transposes of
+    their outputs that their paths end at), and the outputs of its other products."""
 
     at: dict
     shapes: dict
     gradients: dict
+    kept: set
 
 
 def place(jaxpr, plan, sites, batched) -> Placement:
     """The `Placement` of the taps of `sites` (``{id: site}``, the tapped ones) of `plan` in
     `jaxpr` and the jaxprs it calls; `batched`: the ids of the sites whose operands differ
     between examples."""
-    out = Placement({}, {i: () for i in sites}, {})
-    _place(jaxpr, plan, sites, batched, out)
+    out = Placement({}, {i: () for i in sites}, {}, set())
+    _place(jaxpr, plan, sites, batched, out, scanned=False)
     return out
 
 
@@ -132,7 +136,7 @@ def _uses(jaxpr) -> tuple[collections.Counter, dict]:
     return users, consumer
 
 
-def _place(jaxpr, plan, sites, batched, out: Placement) -> None:
+def _place(jaxpr, plan, sites, batched, out: Placement, scanned: bool) -> None:
     users, consumer = _uses(jaxpr)
 
     def sum_of(v):
@@ -199,15 +203,31 @@ def _place(jaxpr, plan, sites, batched, out: Placement) -> None:
     for site in here:
         if site.id in paths:
             out.gradients[site.id] = (node_of(paths[site.id], site),)
+            ends = paths[site.id].leaves()
         else:  # (tapped at its outputs)
-            outputs = [site.eqn.outvars[j] for j in _interpret.float_outputs(site.eqn)]
-            out.gradients[site.id] = tuple(_spot(v, site, through, batched, out) for v in outputs)
+            ends = [site.eqn.outvars[j] for j in _interpret.float_outputs(site.eqn)]
+            out.gradients[site.id] = tuple(_spot(v, site, through, batched, out) for v in ends)
+        out.kept.update(ends if scanned else ())
+    out.kept.update(_other_products(jaxpr, plan, sites) if scanned else ())
     for index, sub in plan.subplans.items():
         eqn = jaxpr.eqns[index]
         inner = eqn.params["jaxpr"].jaxpr if eqn.primitive.name == "scan" else None
         inner = inner if inner is not None else (_jaxprs.sub_jaxpr(eqn) or (None,))[0]
         if inner is not None:
-            _place(inner, sub, sites, batched, out)
+            _place(inner, sub, sites, batched, out, scanned or eqn.primitive.name == "scan")
+
+
+def _other_products(jaxpr, plan, sites) -> list:
+    """The outputs of `jaxpr`'s products (`_jaxprs.PRODUCTS`) that are not tapped sites, and
+    of those in the calls it makes that `_place` does not walk into (no sites inside)."""
+    tapped = {index for index, site in plan.sites.items() if site.id in sites}
+    out = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name in _jaxprs.PRODUCTS and i not in tapped:
+            out += eqn.outvars
+        elif i not in plan.subplans:
+            out += _jaxprs.call_products(eqn)
+    return out
 
 
 def transposed(permutation, node):
