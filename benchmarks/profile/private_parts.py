@@ -41,8 +41,12 @@ side by side in one process (interleaved medians, ratios to the non-private step
   where they otherwise go one after another (`_sums.in_turn`). On a model with fewer than
   two convolved leaves, the same step as ``ghost``;
 * ``scans' steps kept whole``: every value a scan's step computes kept for the backward pass
-  (`_interpret.SCAN_SAVES` saving everything), where the engine keeps its products' outputs
-  and computes the rest again. On a model with no scan, the same step as ``ghost``.
+  (`_interpret.SCAN_SAVES` saving everything), where the engine keeps the values its sites'
+  output gradients are taken at and its other products' outputs, and computes the rest again.
+  On a model with no scan, the same step as ``ghost``;
+* ``scans' products kept``: a scan's step keeps every product's output (JAX's
+  ``dots_saveable`` as `_interpret.SCAN_SAVES`), the tapped sites' included, and computes the
+  rest again. On a model with no scan, the same step as ``ghost``.
 
 The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
 `_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
@@ -161,6 +165,7 @@ VARIANTS = {
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "convolutions' sums together": {"in_turn": _together},
     "scans' steps kept whole": {"SCAN_SAVES": jax.checkpoint_policies.everything_saveable},
+    "scans' products kept": {"SCAN_SAVES": jax.checkpoint_policies.dots_saveable},
 }
 _MODULES = {
     "norms": _norms,

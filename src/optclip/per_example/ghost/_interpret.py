@@ -314,7 +314,7 @@ def run(jaxpr, consts, args, plan, taps, records, placed):
         invals = [read(v) for v in eqn.invars]
         subplan = plan.subplans.get(index)
         tapped = subplan is not None and any(site.id in taps for site in subplan.all_sites())
-        if tapped or not placed.kept.isdisjoint(_jaxprs.call_products(eqn)):
+        if tapped or (placed.kept and not placed.kept.isdisjoint(_jaxprs.call_products(eqn))):
             subplan = subplan or plan._replace(sites={}, subplans={})  # (its products named)
             outs = _call(eqn, subplan, invals, taps, records, placed)
         else:
