@@ -151,3 +151,17 @@ def ref_spike_skips(norms, losses, window, k, min_history):
         skips.append(bool(spike or not finite))
         limits.append((norm_limit, loss_limit))
     return skips, limits
+
+
+def load_benchmark(script: str):
+    """`benchmarks/<script>` as a module (its helpers' folders put on `sys.path` as it says)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / script
+    spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (where `dataclasses` looks a class's module up)
+    spec.loader.exec_module(module)
+    return module

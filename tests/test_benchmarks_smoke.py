@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 from reference import equations
+from reference import load_benchmark as load
 
 import optclip
 
@@ -479,18 +480,6 @@ def test_matrix_products_are_counted_as_often_as_they_run():
         return y, jax.jit(lambda x: x @ w)(x), jax.checkpoint(lambda x: x @ w)(x), z
 
     assert parts.dot_flops(jax.make_jaxpr(f)(jnp.ones((2, 4))).jaxpr) == 80 * (3 + 1 + 1 + 1)
-
-
-def load(script: str):
-    """`benchmarks/<script>` as a module."""
-    import importlib.util
-
-    path = ROOT / "benchmarks" / script
-    spec = importlib.util.spec_from_file_location(f"benchmark_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # (where `dataclasses` looks a class's module up)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.slow

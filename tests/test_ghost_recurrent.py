@@ -8,7 +8,6 @@ loss scaled until the squares of its gradients overflow or flush; one jitted pro
 model serves every check, and one eager call per model runs in the slow tier."""
 
 import functools
-import math
 
 import equinox as eqx
 import ghost_models as gm
@@ -16,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import equations, run
+from reference import equations, load_benchmark, run
 
 import optclip
 
@@ -147,6 +146,26 @@ def fused_lstm(rng):
     return loss, params
 
 
+def called_product(rng):
+    """A plain `lax.scan` cell whose step calls a jitted product of its activations (each
+    example's outer product, no parameter inside): a call with no site, which the tapped pass
+    evaluates inline so that its product is kept for the backward pass."""
+    params = _drawn(rng, {"w": jnp.zeros((F, H)), "u": jnp.zeros((H, H))})
+    params["head"] = _drawn(rng, jnp.zeros((H, OUT)))
+    outer = jax.jit(lambda a: jax.lax.batch_matmul(a[:, :, None], a[:, None, :]))
+
+    def loss(p, x):  # x: (1, T, F)
+        def step(hidden, xt):
+            a = jnp.tanh(xt @ p["w"] + hidden @ p["u"])
+            hidden = jnp.tanh(a + jnp.mean(outer(a), axis=-1))
+            return hidden, hidden
+
+        _, hs = jax.lax.scan(step, jnp.zeros((x.shape[0], H), x.dtype), jnp.swapaxes(x, 0, 1))
+        return _head_loss(hs @ p["head"])
+
+    return loss, params
+
+
 MODELS = {
     "equinox GRUCell": equinox_model(eqx.nn.GRUCell),
     "equinox LSTMCell": equinox_model(eqx.nn.LSTMCell),
@@ -154,6 +173,7 @@ MODELS = {
     "flax nn.RNN(GRUCell)": flax_model("GRUCell"),
     "haiku DeepRNN(LSTM, GRU)": haiku_model,
     "lax.scan LSTM, fused gates split": fused_lstm,
+    "lax.scan cell calling a jitted product": called_product,
 }
 # (The fused LSTM's split gates are in the fast tier's `test_ghost_parts.py` too.)
 SLOW_MODELS = ("flax nn.RNN(GRUCell)", "lax.scan LSTM, fused gates split")
@@ -354,21 +374,11 @@ def test_no_reduction_or_sum_contracts_a_size_1_dimension_beside_others(name):
         assert len(contract) == 1 or all(shape[d] != 1 for d in contract), eqn
 
 
-def _product_work(jaxpr, times: int = 1) -> int:
-    """The multiply-adds of `jaxpr`'s `dot_general`s, a scan's body counted as often as it
-    runs, calls and rematerialised blocks walked into."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            shape = eqn.invars[0].aval.shape
-            total += (
-                times * math.prod(eqn.outvars[0].aval.shape) * math.prod(shape[d] for d in contract)
-            )
-        runs = eqn.params["length"] if eqn.primitive.name == "scan" else 1
-        for inner in jax.extend.core.jaxprs_in_params(eqn.params):
-            total += _product_work(inner, times * runs)
-    return total
+@functools.cache
+def _product_work():
+    """`private_parts.dot_flops` (``benchmarks/profile/private_parts.py``): the matrix
+    products' operations of a jaxpr, a scan's body counted as often as it runs."""
+    return load_benchmark("profile/private_parts.py").dot_flops
 
 
 def test_a_scans_step_keeps_where_its_gradients_are_taken_and_computes_the_rest_again(
@@ -429,7 +439,7 @@ def test_a_scans_step_computes_no_product_again(name, monkeypatch):
     def work(policy):
         monkeypatch.setattr(_interpret, "SCAN_SAVES", policy)
         step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
-        return _product_work(jax.make_jaxpr(step)(params, x).jaxpr)
+        return _product_work()(jax.make_jaxpr(step)(params, x).jaxpr)
 
     assert work(_interpret.SCAN_SAVES) == work(jax.checkpoint_policies.everything_saveable)
 
@@ -437,25 +447,15 @@ def test_a_scans_step_computes_no_product_again(name, monkeypatch):
 def test_a_scans_step_keeps_the_products_of_the_functions_it_calls(monkeypatch):
     """A product of activations inside a jitted function that a scan's step calls (no
     parameter inside: not a site) is kept like the step's own products (`_jaxprs.call_products`),
-    not computed again in the backward pass."""
+    not computed again in the backward pass (its sums and norms are checked against the
+    float64 reference with the other models)."""
     from optclip.per_example.ghost import _interpret
 
-    rng = np.random.default_rng(4)
-    params = {"w": jnp.asarray(rng.normal(size=(H, 4 * H)), jnp.float32)}
-    x = jnp.asarray(rng.normal(size=(B, T, H)), jnp.float32)
-    gram = jax.jit(lambda m: m @ m.T)
-
-    def loss(p, xs):
-        def cell(h, xt):
-            a = jnp.tanh(xt @ p["w"] + jnp.tile(h, (1, 4))).reshape(4, H)
-            return jnp.tanh(jnp.sum(gram(a), axis=0, keepdims=True) @ a), None
-
-        h, _ = jax.lax.scan(cell, jnp.zeros((xs.shape[0], H)), jnp.swapaxes(xs, 0, 1))
-        return jnp.sum(jnp.sin(h))
+    loss, params, x, _ = built("lax.scan cell calling a jitted product")
 
     def work(policy):
         monkeypatch.setattr(_interpret, "SCAN_SAVES", policy)
         step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
-        return _product_work(jax.make_jaxpr(step)(params, x).jaxpr)
+        return _product_work()(jax.make_jaxpr(step)(params, x).jaxpr)
 
     assert work(_interpret.SCAN_SAVES) == work(jax.checkpoint_policies.everything_saveable)
