@@ -1,4 +1,6 @@
-"""The package's shape: small modules, short functions, imports in one direction only.
+"""The package's shape: small modules, short functions, imports in one direction only, and
+prose (docstrings, comments) that says what and why, its measured numbers left to the design
+pages.
 
 A reader should be able to hold a module in their head and find each behaviour in one place.
 The layers below are the order a module may import in: each module imports only modules of
@@ -6,8 +8,11 @@ earlier layers. A new module must be placed in a layer here (the test names it o
 """
 
 import ast
+import io
 import pathlib
 import pickle
+import re
+import tokenize
 
 import jax
 import numpy as np
@@ -155,6 +160,46 @@ def test_functions_are_short(name):
         and body_lines(node) > MAX_FUNCTION_LINES
     ]
     assert not long, f"{name}.py: functions over {MAX_FUNCTION_LINES} lines: {long}"
+
+
+# A measured number in prose: a ratio (1.3x), a size or a duration (16 MiB, 4 ms, 2 s), a
+# speed-up (70 times slower). Such numbers belong to the design pages and the benchmarks'
+# results, beside the command that measured them; a docstring says what and why.
+MEASURED = re.compile(
+    r"\b\d+(?:\.\d+)?x\b"
+    r"|\b\d+(?:\.\d+)?\s*(?:KiB|MiB|GiB|KB|MB|GB|ms|us|µs|s|min)\b"
+    r"|\b\d+(?:\.\d+)?(?:\s*(?:to|-)\s*\d+(?:\.\d+)?)?\s*times\s+(?:faster|slower|the|as)\b"
+)
+
+
+def prose(text: str) -> list[tuple[int, str]]:
+    """A module's docstrings and comments, each with its first line."""
+    out = []
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append((node.body[0].lineno, doc))
+    for token in tokenize.generate_tokens(io.StringIO(text).readline):
+        if token.type == tokenize.COMMENT:
+            out.append((token.start[0], token.string))
+    return out
+
+
+def test_measured_numbers_are_found_in_prose():
+    text = '"""Faster: 1.3x the step."""\n\n\ndef f():\n    # 16 MiB, 70 times slower\n    pass\n'
+    found = [m.group(0) for _, s in prose(text) for m in MEASURED.finditer(s)]
+    assert found == ["1.3x", "16 MiB", "70 times slower"]
+    shapes = "a (B, 3x3) kernel, bits 0x7f800000, 2 examples, 128x128 layers, float32"
+    assert not MEASURED.findall(shapes)
+
+
+@pytest.mark.every_case
+@pytest.mark.parametrize("name", modules())
+def test_docstrings_and_comments_hold_no_measured_numbers(name):
+    text = path_of(name).read_text()
+    found = [f"line {n}: {m.group(0)!r}" for n, s in prose(text) for m in MEASURED.finditer(s)]
+    assert not found, f"{name}.py: measured numbers in prose (move them to docs/design): {found}"
 
 
 def subpackage_of(name: str) -> str:

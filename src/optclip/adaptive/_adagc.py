@@ -43,8 +43,7 @@ def _leaf_scales(gamma, leaf_norms, norm, cap, warming, finite, rule: _Rule):
 
     The scales are `_scale.clip_scale`'s, bit for bit, written as one division at the end:
     XLA does not copy a division into the loops that multiply the leaves by their scale, while
-    the selects that `clip_scale` ends with were recomputed there for every element (1.3x the
-    step's time on the CPU).
+    the selects that `clip_scale` ends with were recomputed there for every element.
     """
     dtype = leaf_norms.dtype
     thresholds = _steps.as_dtype(rule.lambda_rel, dtype) * gamma

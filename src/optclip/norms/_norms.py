@@ -148,10 +148,10 @@ def _stack_leaves(leaves, leaf_axes, layout) -> list[_Piece]:
 
     Every element of every leaf is in exactly one piece. Stacking comes first, before any
     elementwise work, so that the norm's program has a few operations per stack rather than a
-    few per leaf (with 2000 leaves, that is the difference between ~1 s and ~1 min of
-    compilation on CPU). Leaves of different groups share stacks: a stack is then reduced leaf
-    by leaf, still in one operation. Leaves that stack layers (`layout.layer_axes`) are stacked
-    only with leaves of the same layer axis and split.
+    few per leaf, which XLA compiles slowly when there are thousands of leaves. Leaves of
+    different groups share stacks: a stack is then reduced leaf by leaf, still in one
+    operation. Leaves that stack layers (`layout.layer_axes`) are stacked only with leaves of
+    the same layer axis and split.
     """
     pieces: list[_Piece] = []
     groups: dict[tuple, list[int]] = {}

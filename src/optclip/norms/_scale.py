@@ -59,8 +59,8 @@ def clip_scale_parts(norm, threshold):
     numerator = jnp.where(over, threshold * jnp.ldexp(jnp.ones_like(denominator), half), 1)
     numerator = jnp.where(jnp.isfinite(norm) & ~jnp.isnan(threshold), numerator, jnp.nan)
     # Each factor ends with a division. XLA on CPU copies cheap scalar work (selects) into
-    # every kernel that uses its result and evaluates it again for every element (measured
-    # 1.3x the clip+adam step); it keeps a division apart and passes the kernels its value.
+    # every kernel that uses its result and evaluates it again for every element; it keeps a
+    # division apart and passes the kernels its value.
     scale = _divide(numerator, denominator)
     return scale, 1 / jnp.ldexp(jnp.ones_like(scale), half)
 

@@ -324,7 +324,7 @@ def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
         q = jnp.sum(y1.values * y2.values, axis=4)
         return jnp.sum(p * q, axis=(2, 3))
     # (the barrier: XLA on the CPU otherwise fuses both Grams and their product into one loop,
-    # 1.5 to 2 times slower than the three apart)
+    # slower than the three apart)
     p, q = lax.optimization_barrier((gram(x1, x2, acc), gram(y1, y2, acc)))
     return jnp.sum(p * q, axis=(2, 3, 4))
 

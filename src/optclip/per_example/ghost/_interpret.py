@@ -244,7 +244,7 @@ def _apart(eqn, positions):
     """`eqn` as a function whose backward sums each broadcast view's gradient over the
     broadcast dimensions with the size-1 dimensions dropped first: XLA on the CPU runs ``sum_t
     G * x_hat`` over ``(B, 1, T, d)`` (the example's batch axis of one next to the summed one)
-    some 70 times slower than over ``(B, T, d)``. The forward pass and its residuals are the
+    many times slower than over ``(B, T, d)``. The forward pass and its residuals are the
     equation's own (none for a sum or a difference)."""
     shape = eqn.outvars[0].aval.shape
     wide = [d for d, n in enumerate(shape) if n != 1]
