@@ -1,4 +1,5 @@
-"""Interleaved side-by-side timers: run time in pairs, compile time of fresh functions.
+"""Interleaved side-by-side timers: run time in pairs, compile time of fresh functions; the
+CPU a run is on.
 
 Every figure the suite reports is a ratio of two things measured in one process, close in
 time, so that the noise of a shared machine (other processes, frequency changes, page cache)
@@ -10,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import pathlib
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -37,6 +40,19 @@ class Paired:
         ratios = sorted(a / b for a, b in zip(self.times[k], self.times[ref]))
         q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
         return q[0], q[2]
+
+
+def cpu_model(info: pathlib.Path = pathlib.Path("/proc/cpuinfo")) -> str:
+    """The CPU's model where Linux names it (`info`, ``/proc/cpuinfo``), else what `platform`
+    says: the machine a saved run's figures come from."""
+    try:
+        lines = info.read_text().splitlines() if info.exists() else []
+    except OSError:
+        lines = []
+    for line in lines:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def count(text: str) -> int:

@@ -50,7 +50,6 @@ import functools
 import gc
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import time
@@ -192,7 +191,7 @@ def machine() -> dict:
     """Where and when the figures were measured (kept in each row of ``--json``)."""
     device = jax.devices()[0]
     return {
-        "processor": platform.processor() or platform.machine(),
+        "processor": _timing.cpu_model(),
         "cores": os.cpu_count(),
         "platform": device.platform,
         "device": device.device_kind,

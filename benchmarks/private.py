@@ -274,15 +274,12 @@ def save_run(path: pathlib.Path, rows: list[dict], machine: str) -> None:
 
 
 def where() -> str:
-    """The machine the figures come from: on a CPU its model where Linux names it
-    (``/proc/cpuinfo``), and its cores."""
+    """The machine the figures come from: on a CPU its model (`_timing.cpu_model`) and its
+    cores."""
     device = jax.devices()[0]
     if device.platform != "cpu":
         return device.device_kind
-    info = pathlib.Path("/proc/cpuinfo")
-    lines = info.read_text().splitlines() if info.exists() else []
-    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
-    return f"{names[0] if names else 'CPU'}, {os.cpu_count()} cores"
+    return f"{_timing.cpu_model()}, {os.cpu_count()} cores"
 
 
 def announce(what: str, quick: bool) -> None:

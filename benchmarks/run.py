@@ -743,17 +743,8 @@ def format_table(rows: list[Row], side_name: str) -> str:
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     return {
-        "cpu": cpu,
+        "cpu": _timing.cpu_model(),
         "nproc": os.cpu_count(),
         "python": platform.python_version(),
         "jax": jax.__version__,

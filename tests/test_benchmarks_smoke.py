@@ -9,6 +9,7 @@ import functools
 import io
 import json
 import os
+import platform
 import subprocess
 import sys
 import unittest.mock
@@ -873,3 +874,16 @@ def test_the_guide_and_the_design_pages_show_the_saved_compile_run():
     rows_only = "\n".join(line for line in table.splitlines() if line.startswith("|"))
     compile_page = (ROOT / "docs" / "design" / "ghost-compile.md").read_text(encoding="utf-8")
     assert rows_only in compile_page
+
+
+def test_a_run_names_the_cpu_it_ran_on(tmp_path):
+    """`_timing.cpu_model`, which `private.py`, `recurrent.py`, `compile.py` and `run.py`
+    record in their runs: the model Linux names, else `platform`'s answer."""
+    timing = load("_timing.py")
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nvendor_id\t: Example\nmodel name\t: Example CPU 9000\n")
+    assert timing.cpu_model(info) == "Example CPU 9000"
+    fallback = platform.processor() or platform.machine() or "unknown"
+    assert timing.cpu_model(tmp_path / "missing") == fallback
+    info.write_text("processor\t: 0\n")
+    assert timing.cpu_model(info) == fallback
