@@ -259,6 +259,7 @@ SHARING = {  # case: (variables tapped, products tapped)
     "split into gates": (2, 2),
     "a split part also read": (3, 2),
     "split into gates, vmapped": (2, 2),
+    "split into gates, one weight": (2, 2),
 }
 
 
@@ -280,7 +281,8 @@ def _sharing_loss(case):
             return jax.vmap(cell)(h, xt)
         a = xt @ p["w"]
         if case.startswith(("split", "a split")):
-            return gru(a + p["b"], h @ p["u"], h, -1)
+            recurrent = p["w"] if case.endswith("one weight") else p["u"]
+            return gru(a + p["b"], h @ recurrent, h, -1)
         gate = jnp.sin(a) if case == "also read alone" else 1  # (read before the sum)
         recurrent = p["w"] if case == "one weight twice" else p["u"]
         return jnp.tanh(a + h @ recurrent + p["b"]) * gate
@@ -321,8 +323,9 @@ def test_output_gradients_are_tapped_once_per_sum_and_per_part(case, monkeypatch
     as Equinox and dm-haiku write it): each product's output gradient is its parts' sums side
     by side, four variables tapped for two products of three parts, also where each product
     is transposed before its split (``W @ x`` under `jax.vmap`); a part also read on its own
-    (``cos(h_z)``) is tapped by itself. The numbers equal the float64 reference in every
-    case, at ordinary magnitudes and at 1e22."""
+    (``cos(h_z)``) is tapped by itself. One weight in both split products has its two uses'
+    cross terms: their output gradients' pieces joined (`_pieces.joined`). The numbers equal
+    the float64 reference in every case, at ordinary magnitudes and at 1e22."""
     from optclip.per_example.ghost import _shared
 
     found = []
@@ -459,3 +462,88 @@ def test_a_scans_step_keeps_the_products_of_the_functions_it_calls(monkeypatch):
         return _product_work()(jax.make_jaxpr(step)(params, x).jaxpr)
 
     assert work(_interpret.SCAN_SAVES) == work(jax.checkpoint_policies.everything_saveable)
+
+
+def _concatenated_gradients(loss, params, x) -> list:
+    """The concatenations in `clipped_grad`'s step as large as two gates' output gradients of
+    every example and step (a state product's output gradient joined from its parts)."""
+    step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    eqns = equations(jax.make_jaxpr(step)(params, x).jaxpr)
+    big = B * T * 2 * H
+    return [e for e in eqns if e.primitive.name == "concatenate" and e.outvars[0].aval.size >= big]
+
+
+@pytest.mark.parametrize(
+    ("name", "readers"), [("equinox GRUCell", 2), ("haiku DeepRNN(LSTM, GRU)", 3)]
+)
+def test_a_gru_reads_its_output_gradients_in_pieces(name, readers, monkeypatch):
+    """A GRU's state product's output gradient is parts of its input product's tap beside a
+    tap of its own (Equinox), or its two products each a slice of that tap (dm-haiku): the
+    tap is cut where those parts start and stop, and every product reads the pieces
+    (`_pieces`), each piece scaled once for all of them. No output gradient is joined into a
+    new array of every step. The numbers are checked above."""
+    from optclip.per_example.ghost import _pieces
+
+    read = []
+
+    def spied(*args, found=_pieces.pieces_of):
+        read.append(found(*args))
+        return read[-1]
+
+    monkeypatch.setattr(_pieces, "pieces_of", spied)
+    loss, params, x, _ = built(name)
+    assert _concatenated_gradients(loss, params, x) == []
+    assert sum(r is not None for r in read) == readers, read
+
+
+def _apart_loss(scanned: bool):
+    """Two products split into gates (``a = x W``, ``q = tanh(x) U``), ``a``'s first part added
+    to ``q``'s: ``q`` reads a piece of ``a``'s tap. ``a``'s record is tiny and its second
+    part's gradient near float32's largest, so that the piece ``q`` reads is below float32's
+    normal numbers at the tap's largest: only at its own exponent does it keep its digits."""
+
+    def products(p, x):  # x: (S, F) -> the pieces' sum, a's second part
+        a = (x * 1e-30) @ p["w"]
+        q = jnp.tanh(x) @ p["u"]
+        (a1, a2), (q1, q2) = jnp.split(a, [2 * H], axis=-1), jnp.split(q, [2 * H], axis=-1)
+        return jnp.sin(a1 + q1) + jnp.cos(q2).sum(-1, keepdims=True), a2
+
+    def loss(p, x):
+        if scanned:
+            _, (s, a2) = jax.lax.scan(lambda c, xt: (c, products(p, xt[None])), 0.0, x[0])
+        else:
+            s, a2 = products(p, x[0])
+        return jnp.sum(s) + 2e38 * a2.reshape(-1)[0]
+
+    return loss
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["outside scans", "in a scan"])
+@pytest.mark.parametrize("mode", ["jit", pytest.param("eager", marks=pytest.mark.slow)])
+def test_pieces_of_one_tap_far_apart_each_keep_their_digits(scanned, mode, monkeypatch):
+    """Each piece of a cut tap is scaled by its own power of two: a piece ``2**-128`` of its
+    tap's largest keeps its digits, and the product reading it gets its clipped sum (at the
+    tap's largest exponent it would flush to zero). Also with the norms taken one example at
+    a time (`_norms.LOOP_WORK` 0), with a padding example and a NaN example."""
+    from optclip.per_example.ghost import _norms
+
+    rng = np.random.default_rng(11)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(F, 3 * H)), jnp.float32),
+        "u": jnp.asarray(rng.normal(size=(F, 3 * H)) / 2, jnp.float32),
+    }
+    x = rng.normal(size=(B, 1, T, F)).astype(np.float32)
+    loss = _apart_loss(scanned)
+    grads64 = gm.per_example_grads(loss, params, x)
+    clip = _threshold(grads64)
+    padding = np.arange(B) == 3
+    for loop_work in (_norms.LOOP_WORK, 0):
+        monkeypatch.setattr(_norms, "LOOP_WORK", loop_work)
+        step = _step(loss, clip, mode)
+        result = step(params, x, np.float32(1), padding)
+        _check(result, grads64, clip, padding=padding)
+        bad = x.copy()
+        bad[1, 0, T // 2, 0] = np.nan
+        sums, aux = step(params, bad, np.float32(1), np.zeros(B, bool))
+        assert np.isnan(aux.grad_norms[1]) and np.isfinite(np.delete(aux.grad_norms, 1)).all()
+        gm.assert_tree_close(sums, gm.reference_from(grads64, clip, keep=[0, 2, 3, 4])[1])

@@ -66,6 +66,7 @@ LAYERS = [
     ["per_example.ghost._trace"],  # where the parameters are used: sites and plans
     ["per_example.ghost._interpret"],  # the per-example loss evaluated with taps at the sites
     ["per_example.ghost._shared"],  # sites whose output gradients are equal: one tap for them
+    ["per_example.ghost._pieces"],  # output gradients in pieces of taps, each scaled once
     ["per_example.ghost._plans"],  # each leaf's route: ghost or materialised; `force_route`
     ["per_example.ghost._norms"],  # each example's norm from the tapped pass
     ["per_example.ghost._sums"],  # the clipped sum by book-keeping (no second backward pass)

@@ -33,13 +33,13 @@ except ImportError:  # pragma: no cover
 @dataclasses.dataclass(frozen=True)
 class Tapped:
     """What the tapped pass gives: the losses and aux; `records` (``{record key: (array,
-    exponent)}``) and `grads` (the output gradients, ``{site id: tuple of (array,
-    exponent)}``) of the tapped sites, each `scaled` by its exponent per layer and example: the
-    arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is inside, then the
-    examples, as a scan stacks them: the examples' axis of each is in `record_axes` and
-    `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level along which the weights
-    that read them are the same at every step; the materialised leaves' per-example
-    gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
+    exponent)}``) and `grads` (the output gradients, ``{site id: tuple of (array, exponent)
+    or _pieces.Pieces}``) of the tapped sites, each `scaled` by its exponent per layer and
+    example: the arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is
+    inside, then the examples, as a scan stacks them: the examples' axis of each is in
+    `record_axes` and `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level
+    along which the weights that read them are the same at every step; the materialised
+    leaves' per-example gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
 
     losses: Any
     aux: Any
@@ -80,8 +80,8 @@ class Tapped:
                 k: tuple(cut(a, self.record_axes[k]) for a in pair)
                 for k, pair in self.records.items()
             },
-            grads={
-                i: tuple(tuple(cut(a, self.grad_axes[i]) for a in pair) for pair in gs)
+            grads={  # (an output gradient's pieces too: `_pieces.Pieces` is a pytree)
+                i: jax.tree.map(lambda a, i=i: cut(a, self.grad_axes[i]), gs)
                 for i, gs in self.grads.items()
             },
             example_grads={k: cut(g, 0) for k, g in self.example_grads.items()},
@@ -138,7 +138,7 @@ def exponents_of(x, axis: int, sliced: tuple | None = None):
     over = () if sliced is None else tuple(i for i, s in enumerate(sliced) if not s)
     if over:  # (then over the steps: a small array, not a reduction of `x` across its layout)
         m = jnp.max(m, axis=over, keepdims=True)
-    return _flagged_exponent(m)
+    return flagged_exponent(m)
 
 
 @jax.jit
@@ -146,7 +146,7 @@ def exponent_of(x):
     """`exponents_of` of `x` as a whole (a scalar)."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros((), jnp.int32)
-    return _flagged_exponent(_largest_magnitudes(x, -1))
+    return flagged_exponent(_largest_magnitudes(x, -1))
 
 
 def _largest_magnitudes(x, axis: int):
@@ -158,7 +158,7 @@ def _largest_magnitudes(x, axis: int):
     return jnp.max(jnp.abs(x), axis=tuple(range(axis + 1, x.ndim)))
 
 
-def _flagged_exponent(m):
+def flagged_exponent(m):
     """`_factors.exponent` of the largest magnitudes `m`, `FLAG` where one is not finite."""
     e = _factors.exponent(lax.stop_gradient(m))
     return jnp.where(e > jnp.finfo(m.dtype).maxexp, FLAG, e)

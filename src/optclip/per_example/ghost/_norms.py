@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from optclip.norms import _reductions
-from optclip.per_example.ghost import _factors, _interpret, _plans, _rules
+from optclip.per_example.ghost import _factors, _interpret, _pieces, _plans, _rules
 from optclip.per_example.ghost._plans import Mode, Route
 from optclip.per_example.ghost._target import Target
 
@@ -66,15 +66,39 @@ def aligned(site, x, e):
 
 
 def use_factors(plan, t: _interpret.Tapped, acc) -> list:
-    """A ghost leaf's uses' factors and their exponents ``[(x, ex, y, ey)]``, each aligned to
-    the first use's layout."""
+    """A ghost leaf's uses' factors and their exponents: per use, ``[(x, ex, y, ey)]``, one
+    per piece of its output gradient (`_pieces.Pieces`, for a use alone in its group: its
+    terms are separable along the pieces) or one, each aligned to the first use's layout."""
+    alone = {group[0] for group in plan.groups if len(group) == 1}
     out = []
-    for use in plan.uses:
+    for i, use in enumerate(plan.uses):
         site = use.site
-        g, eg = aligned(site, *t.grads[site.id][0])
-        r, er = aligned(site, *t.records[site.records[0]]) if site.records else (None, 0 * eg)
-        x, y = _rules.of(site).factors(site, r, g, acc)
-        out.append((y, eg, x, er) if use.swapped else (x, er, y, eg))
+        r, er = aligned(site, *t.records[site.records[0]]) if site.records else (None, None)
+        grad = t.grads[site.id][0]
+        if isinstance(grad, _pieces.Pieces):
+            parts = grad.parts if i in alone else (_pieces.joined(grad, site.depth + 1),)
+        else:
+            parts = (grad,)
+        tuples = []
+        for part in parts:
+            g, eg = aligned(site, *part)
+            x, y = _rules.of(site).factors(site, r, g, acc)
+            ex = 0 * eg if er is None else er
+            tuples.append((y, eg, x, ex) if use.swapped else (x, ex, y, eg))
+        out.append(tuples)
+    return out
+
+
+def joined_shapes(plan, uses) -> list:
+    """Each use's factors' shapes ``(x, y)`` as if its pieces were joined (`_plans.route`)."""
+    out = []
+    for use, tuples in zip(plan.uses, uses, strict=True):
+        x, _, y, _ = tuples[0]
+        width = sum((t[0] if use.swapped else t[2]).shape[4] for t in tuples)
+        if use.swapped:
+            out.append(((*x.shape[:4], width), y.shape))
+        else:
+            out.append((x.shape, (*y.shape[:4], width)))
     return out
 
 
@@ -96,26 +120,37 @@ def leaf_terms(plan, uses, route: Route, acc) -> list:
     added up is its squared norm), from its uses' factors (`use_factors`)."""
     out = []
     for group in plan.groups:
-        chosen = [uses[i] for i in group]
-        numbers = [_number(plan.scales[i], acc) for i in group] if plan.scales else None
-        ks = [ex + ey for _, ex, _, ey in chosen]
+        if len(group) == 1:  # (one use: a term per piece, whose cross terms are 0)
+            blocks = [(group, [piece]) for piece in uses[group[0]]]
+        else:
+            blocks = [(group, [uses[i][0] for i in group])]
+        for indices, chosen in blocks:
+            out += _group_terms(plan, indices, chosen, route, acc)
+    return out
+
+
+def _group_terms(plan, group, chosen, route: Route, acc) -> list:
+    """The terms of the uses `group` (their factors `chosen`), cross terms included."""
+    out = []
+    numbers = [_number(plan.scales[i], acc) for i in group] if plan.scales else None
+    ks = [ex + ey for _, ex, _, ey in chosen]
+    if numbers:
+        ks = [k + n for k, (_, n) in zip(ks, numbers, strict=True)]
+    own = {}
+    for i, (x, _, y, _) in enumerate(chosen):
+        own[i] = _factors.self_term(x, y, acc, route is Route.DIRECT)
+    for i, j in itertools.combinations_with_replacement(range(len(chosen)), 2):
+        if i == j:
+            value = own[i]
+        else:  # (a use whose own term is 0 has a zero gradient: so are its cross terms)
+            x1, _, y1, _ = chosen[i]
+            x2, _, y2, _ = chosen[j]
+            cross = 2 * _factors.pair_term(x1, y1, x2, y2, acc)
+            value = jnp.where((own[i] == 0) | (own[j] == 0), 0, cross)
         if numbers:
-            ks = [k + n for k, (_, n) in zip(ks, numbers, strict=True)]
-        own = {}
-        for i, (x, _, y, _) in enumerate(chosen):
-            own[i] = _factors.self_term(x, y, acc, route is Route.DIRECT)
-        for i, j in itertools.combinations_with_replacement(range(len(chosen)), 2):
-            if i == j:
-                value = own[i]
-            else:  # (a use whose own term is 0 has a zero gradient: so are its cross terms)
-                x1, _, y1, _ = chosen[i]
-                x2, _, y2, _ = chosen[j]
-                cross = 2 * _factors.pair_term(x1, y1, x2, y2, acc)
-                value = jnp.where((own[i] == 0) | (own[j] == 0), 0, cross)
-            if numbers:
-                for m in (numbers[i][0], numbers[j][0]):
-                    value = value if isinstance(m, float) and m == 1.0 else value * m
-            out.append((value, ks[i] + ks[j]))
+            for m in (numbers[i][0], numbers[j][0]):
+                value = value if isinstance(m, float) and m == 1.0 else value * m
+        out.append((value, ks[i] + ks[j]))
     return out
 
 
@@ -188,10 +223,10 @@ def _all_leaves(plans, t: _interpret.Tapped, acc):
         if plan.mode is not Mode.GHOST:
             continue
         uses = use_factors(plan, t, acc)
-        route = _plans.route(plan, [(x.shape, y.shape) for x, _, y, _ in uses])
+        route = _plans.route(plan, joined_shapes(plan, uses))
         assert route is not None  # (a ghost leaf)
         terms += leaf_terms(plan, uses, route, acc)
-        exponents += [e for _, ex, _, ey in uses for e in (ex, ey)]
+        exponents += [e for tuples in uses for _, ex, _, ey in tuples for e in (ex, ey)]
     if not terms:
         return jnp.zeros((t.size,), acc)
     if exponents:
@@ -207,7 +242,7 @@ def _gram_work(plans, t, acc) -> int:
     def count():  # (shapes only: `jax.eval_shape` computes nothing)
         for p in plans:
             if p.mode is Mode.GHOST:
-                shapes.extend((x.shape, y.shape) for x, _, y, _ in use_factors(p, t, acc))
+                shapes.extend(joined_shapes(p, use_factors(p, t, acc)))
 
     jax.eval_shape(count)
     return sum(x[0] * x[2] * x[3] * x[3] * (x[4] + y[4]) for x, y in shapes)

@@ -14,6 +14,7 @@ from optclip.per_example.ghost import (
     _factors,
     _interpret,
     _norms,
+    _pieces,
     _plans,
     _shared,
     _sums,
@@ -79,33 +80,14 @@ def tapped_pass(one, flat: Flat, s: Settings):
 
     (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
 
-    def scale(x, axis, sliced, e=None):  # (the exponents of a tap outside scans: exact floats)
-        e = _interpret.exponents_of(x, axis, sliced) if e is None else e.astype(jnp.int32)
-        return _interpret.scaled(x, e), e
-
-    wholes: dict = {}  # (a tapped variable's gradient, scaled once for all its readers)
-
-    def gradient(site, node):
-        sliced = _factors.sliced_levels(site)
-        if not isinstance(node, _shared.Tapped):  # (made of several: one exponent for all)
-            raw = {i: tuple(g for g, _ in pairs) for i, pairs in grads.items()}
-            return scale(_shared.gradient(node, raw, site.depth + 1), site.depth, sliced)
-        if (node, sliced) not in wholes:
-            g, e = grads[node.site][node.slot]
-            wholes[node, sliced] = scale(g, site.depth, sliced, None if site.depth else e)
-        return wholes[node, sliced]
-
-    grads = {
-        i: tuple(gradient(sites[i], node) for node in nodes)
-        for i, nodes in placed.gradients.items()
-    }
+    grads = _pieces.scaled_gradients(sites, placed, grads)
     # (a level is sliced for a record where it is for one of the sites that read it)
     readers: dict = {}
     for site in sites.values():
         for key in site.records:
             readers.setdefault(key, []).append(_factors.sliced_levels(site))
     sliced_of = {k: tuple(map(any, zip(*ls, strict=True))) for k, ls in readers.items()}
-    records = {k: scale(r, record_axes[k], sliced_of[k]) for k, r in records.items()}
+    records = {k: _pieces.scale(r, record_axes[k], sliced_of[k]) for k, r in records.items()}
     losses, aux = jax.tree.unflatten(jax.tree.structure(out_shape), outs)
     grad_axes = {i: site.depth for i, site in sites.items()}
     tapped = _interpret.Tapped(

@@ -87,6 +87,19 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     return out.astype(work)
 
 
+def view_axis(site, axis: int) -> int:
+    """The dimension of a `dot_general` site's view (one layer's) that its output's dimension
+    `axis` (one of the view's free ones) runs along: where a block of the output gradient's
+    features puts its block of the view's cotangent."""
+    eqn, pos = site.eqn, site.views[0][0]
+    out_v = _factors.dense_dims(eqn, pos)[4]
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
+    ndim = len(eqn.invars[pos].aval.shape)
+    v_free = [d for d in range(ndim) if d not in (*v_contract, *v_batch)]
+    return v_free[out_v.index(axis)]
+
+
 def _adjacent(dims: list) -> bool:
     return dims == list(range(dims[0], dims[0] + len(dims)))
 

@@ -32,7 +32,16 @@ from jax import lax
 from jax.extend import core as jcore
 
 from optclip.per_example import _clips
-from optclip.per_example.ghost import _factors, _interpret, _norms, _plans, _rules, _sites
+from optclip.per_example.ghost import (
+    _factors,
+    _interpret,
+    _norms,
+    _pieces,
+    _plans,
+    _products,
+    _rules,
+    _sites,
+)
 from optclip.per_example.ghost._target import Target
 
 ZERO = _factors.ZERO_EXPONENT
@@ -166,30 +175,33 @@ def pull_back(site, leaves, cotangents, views=None):
 def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone:
     each example's factor (times the powers of two its record and output gradient were divided
-    by, `scaled`) on the smaller side of a bilinear site, else on the output gradients. `axis`:
+    by, `scaled`) on the smaller side of a bilinear site, else on the output gradients. An
+    output gradient in pieces (`_pieces.Pieces`) is one product per piece where the site's rule
+    writes its sum out, those blocks side by side; elsewhere the pieces are joined. `axis`:
     `jax.vmap`'s `spmd_axis_name`."""
     record, exponent = t.records[site.records[0]] if site.records else (None, 0)
-    record = [] if record is None else [record]
-    cotangent = [g for g, _ in t.grads[site.id]]
-    exponents = [exponent + e for _, e in t.grads[site.id]]
-    narrow = any(_narrow(x.dtype, w.dtype) for x in record + cotangent)
-    shift = common_exponent(w, exponents) if narrow else jnp.zeros((), jnp.int32)
-    factors = [scaled(w, e, shift) for e in exponents]
-    if _weights_record(site, record, cotangent):
-        record[0] = _times(record[0], factors[0])
-    else:
-        cotangent = [_times(g, c) for g, c in zip(cotangent, factors, strict=True)]
+    grads = list(t.grads[site.id])
     rule = _rules.RULES.get(site.eqn.primitive.name)
-    if rule is not None and rule.view_sum is not None:
-        views, depth, r, c = [v for _, v in site.views], site.depth, record[0], cotangent[0]
-        sliced = _factors.sliced_levels(site)
-        if not narrow and not all(sliced):  # (narrow: a shift per level, applied after)
-            views = [v.sliced_only() for v in views]
-            r, c = _constants_merged(sliced, r), _constants_merged(sliced, c)
-            depth = sum(sliced)
-        value = views[0].stacked(t.leaves[views[0].leaf])  # (its shape, dtype and sharding)
-        product = rule.view_sum(site, value, r, c, target, depth)
-        if product is not None:
+    written = rule is not None and rule.view_sum is not None
+    if isinstance(grads[0], _pieces.Pieces):
+        pieces = grads[0]
+        arrays = ([] if record is None else [record]) + [g for g, _ in pieces.parts]
+        if written and not any(_narrow(x.dtype, w.dtype) for x in arrays):
+            blocks = []
+            for part in pieces.parts:
+                r, c, _, _ = _weighted(site, w, record, exponent, [part])
+                blocks.append(_written(site, t, target, rule, r[0], c[0], narrow=False))
+            if all(b is not None for b in blocks):
+                _, views, depth = blocks[0]
+                at = depth + _products.view_axis(site, pieces.axis)
+                product = jnp.concatenate([b[0] for b in blocks], axis=at)
+                return pull_back(site, t.leaves, [product], views)
+        grads[0] = _pieces.joined(pieces, site.depth + 1)
+    records, cotangent, narrow, shift = _weighted(site, w, record, exponent, grads)
+    if written:
+        found = _written(site, t, target, rule, records[0], cotangent[0], narrow)
+        if found is not None:
+            product, views, _ = found
             product = _times_power(product, shift) if narrow else product
             return pull_back(site, t.leaves, [product], views)
     values = [view.stacked(t.leaves[view.leaf]) for _, view in site.views]
@@ -201,11 +213,45 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     )
     for length in reversed(site.stack):  # the layers of the scans, outermost first
         f = jax.vmap(f, in_axes=(0, *([0] * len(values))), axis_size=length)
-    _, pull = jax.vjp(lambda *views: f(record, *views), *values)
+    _, pull = jax.vjp(lambda *views: f(records, *views), *values)
     cotangents = pull(cotangent)
     if narrow:
         cotangents = [_times_power(ct, shift) for ct in cotangents]
     return pull_back(site, t.leaves, cotangents)
+
+
+def _weighted(site, w, record, exponent, grads):
+    """``(records, cotangents, narrow, shift)``: `site`'s record (a list of none or one) and
+    output gradients `grads` (``[(array, exponent)]``), each example's factor on the smaller
+    side (`_weights_record`), in a `_narrow` dtype at the site's `common_exponent` (`shift`:
+    applied after the product)."""
+    records = [] if record is None else [record]
+    cotangent = [g for g, _ in grads]
+    exponents = [exponent + e for _, e in grads]
+    narrow = any(_narrow(x.dtype, w.dtype) for x in records + cotangent)
+    shift = common_exponent(w, exponents) if narrow else jnp.zeros((), jnp.int32)
+    factors = [scaled(w, e, shift) for e in exponents]
+    if _weights_record(site, records, cotangent):
+        records[0] = _times(records[0], factors[0])
+    else:
+        cotangent = [_times(g, c) for g, c in zip(cotangent, factors, strict=True)]
+    return records, cotangent, narrow, shift
+
+
+def _written(site, t, target, rule, record, cotangent, narrow):
+    """``(product, views, depth)``: the cotangent of `site`'s view as its rule writes it
+    (`_rules.Rule.view_sum`) from the weighted `record` and `cotangent`, the levels at which
+    the view is the same at every step merged into the examples (not where `narrow`: a shift
+    per level is applied after); None where the rule gives none."""
+    views, depth, r, c = [v for _, v in site.views], site.depth, record, cotangent
+    sliced = _factors.sliced_levels(site)
+    if not narrow and not all(sliced):
+        views = [v.sliced_only() for v in views]
+        r, c = _constants_merged(sliced, r), _constants_merged(sliced, c)
+        depth = sum(sliced)
+    value = views[0].stacked(t.leaves[views[0].leaf])  # (its shape, dtype and sharding)
+    product = rule.view_sum(site, value, r, c, target, depth)
+    return None if product is None else (product, views, depth)
 
 
 def _ghost_sums(plans, t, w, target: Target, axis=None):
