@@ -155,6 +155,27 @@ def reference_from(grads, clip, padding=None, magnitude=1.0, keep=None):
     return norms, jax.tree.unflatten(treedef, sums)
 
 
+def gru(rng, dtype=np.float32, d=3, h=4, t=5, batch=4):
+    """A GRU cell as Equinox writes it (``W @ x`` per step, each product split into three
+    gates, two of them added) under `lax.scan`: its state product's output gradient is two
+    pieces of its input product's tap beside a tap of its own (`_pieces`)."""
+    params = _init(rng, {"w": (3 * h, d), "u": (3 * h, h), "b": (3 * h,), "head": (h, 2)}, dtype)
+
+    def loss(p, x):  # x: (1, t, d)
+        def cell(hidden, xt):
+            i_r, i_z, i_n = jnp.split(p["w"] @ xt + p["b"], 3)
+            h_r, h_z, h_n = jnp.split(p["u"] @ hidden, 3)
+            r, z = jax.nn.sigmoid(i_r + h_r), jax.nn.sigmoid(i_z + h_z)
+            new = (1 - z) * jnp.tanh(i_n + r * h_n) + z * hidden
+            return new, new
+
+        _, hs = jax.lax.scan(cell, jnp.zeros((h,), x.dtype), x[0])
+        return jnp.sum(jnp.sin(hs @ p["head"]))
+
+    x = jnp.asarray(rng.normal(size=(batch, t, d)), dtype)
+    return loss, params, x
+
+
 def recurrent(rng, dtype=np.float32, d=3, t=4, batch=4):
     """A recurrent cell under `lax.scan` (its weights the same at every step), one of them also
     used outside the scan (cross terms across the steps and the outside use), a nested scan,

@@ -40,6 +40,8 @@ def main():
         ("mlp", gm.mlp, AxisType.Explicit),
         # (kernels grouped, used twice, stacked under a scan: their sums written out on a CPU)
         ("conv", gm.conv_shared, AxisType.Auto),
+        # (a GRU's state product reading pieces of its input product's tap, in a scan)
+        ("gru", gm.gru, AxisType.Auto),
     )
     assert jax.device_count() == 8, jax.devices()
     root = lambda a: a * jax.numpy.sqrt(0.5)  # noqa: E731  (a number computed in the loss)
@@ -54,7 +56,10 @@ def main():
         variants = [("", loss, x, None), ("huge", huge, x, None)]
         if name == "conv":  # (the common path only: each variant compiles for 20 s)
             variants = [("", loss, x, None)]
-        elif name != "tied":  # every parameter times a number the loss computes (muP's: its
+        elif name not in (
+            "tied",
+            "gru",
+        ):  # every parameter times a number the loss computes (muP's: its
             # weights are views, computed while tracing), or one the step traces
             scaled = lambda p, x, loss=loss: loss(jax.tree.map(root, p), x)  # noqa: E731
             variants.append(("scaled", scaled, x, None))
@@ -62,7 +67,7 @@ def main():
                 jax.tree.map(lambda a: a * s, p), x
             )
             variants.append(("traced", traced, x, None))
-        if axis_type == AxisType.Auto and name != "conv":  # the norms one example at a
+        if axis_type == AxisType.Auto and name not in ("conv", "gru"):  # the norms one example at a
             variants.append(("looped", loss, x, None))  # time (a CPU's, for large Grams)
         if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does
             whole = NamedSharding(mesh, PartitionSpec())
