@@ -130,6 +130,17 @@ def power_of_two(k, dtype):
     return lax.bitcast_convert_type((k + ints(info.maxexp - 1)) << ints(info.nmant), dtype)
 
 
+def brought_to(x, e, top):
+    """`x` (laid out ``(*lead, ...)``), scaled by ``2**e`` per leading index, as scaled by
+    ``2**top`` (``top >= e``, broadcast against `e`): times ``2**(e - top)``, exact, 0 where
+    that is below twice the dtype's normal exponents. A zero's `e` (`ZERO_EXPONENT`) stays
+    0; a `top` that is `ZERO_EXPONENT` leaves `x` as it is."""
+    shift = jnp.where(top == ZERO_EXPONENT, 0, jnp.maximum(e - top, 2 * ZERO_EXPONENT))
+    first, second = powers_of_two(shift, x.dtype)
+    at = lambda h: h.reshape(h.shape + (1,) * (x.ndim - h.ndim))  # noqa: E731
+    return (x * at(first)) * at(second)
+
+
 def magnitude(f: Factor):
     """The largest magnitude of each layer of each example of `f` (shape ``(L, B)``; 1 for a
     one-hot side): one reduction of ``|x|``."""

@@ -138,7 +138,7 @@ def exponents_of(x, axis: int, sliced: tuple | None = None):
     over = () if sliced is None else tuple(i for i, s in enumerate(sliced) if not s)
     if over:  # (then over the steps: a small array, not a reduction of `x` across its layout)
         m = jnp.max(m, axis=over, keepdims=True)
-    return flagged_exponent(m)
+    return _flagged_exponent(m)
 
 
 @jax.jit
@@ -146,7 +146,7 @@ def exponent_of(x):
     """`exponents_of` of `x` as a whole (a scalar)."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return jnp.zeros((), jnp.int32)
-    return flagged_exponent(_largest_magnitudes(x, -1))
+    return _flagged_exponent(_largest_magnitudes(x, -1))
 
 
 def _largest_magnitudes(x, axis: int):
@@ -158,7 +158,7 @@ def _largest_magnitudes(x, axis: int):
     return jnp.max(jnp.abs(x), axis=tuple(range(axis + 1, x.ndim)))
 
 
-def flagged_exponent(m):
+def _flagged_exponent(m):
     """`_factors.exponent` of the largest magnitudes `m`, `FLAG` where one is not finite."""
     e = _factors.exponent(lax.stop_gradient(m))
     return jnp.where(e > jnp.finfo(m.dtype).maxexp, FLAG, e)

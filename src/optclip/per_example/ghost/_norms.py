@@ -57,11 +57,7 @@ def aligned(site, x, e):
     const = tuple(i for i, s in enumerate(sliced) if not s and e.shape[i] > 1)
     if const:
         top = jnp.max(e, axis=const, keepdims=True)
-        shift = jnp.where(top == ZERO, 0, jnp.maximum(e - top, 2 * ZERO))
-        first, second = _factors.powers_of_two(shift, x.dtype)
-        at = lambda h: h.reshape(h.shape + (1,) * (x.ndim - h.ndim))  # noqa: E731
-        x = (x * at(first)) * at(second)
-        e = top
+        x, e = _factors.brought_to(x, e, top), top
     return x, e.reshape(-1, e.shape[-1])
 
 

@@ -173,23 +173,11 @@ def _ordered(pair, order):
 
 def joined(pieces: Pieces, lead: int):
     """The pieces side by side as one ``(array, exponent)``: each brought to their largest
-    exponent (a power of two <= 1), for a reader that cannot take them apart."""
-    exponents = [e for _, e in pieces.parts]
-    top = exponents[0]
-    for e in exponents[1:]:
-        top = jnp.maximum(top, e)
-    arrays = []
-    for x, e in pieces.parts:
-        flagged = e >= _interpret.FLAGGED
-        shift = jnp.where(flagged | (e == _factors.ZERO_EXPONENT), 0, e)
-        shift = jnp.where(
-            top >= _interpret.FLAGGED, 0, shift - jnp.where(top == _factors.ZERO_EXPONENT, 0, top)
-        )
-        first, second = _factors.powers_of_two(
-            jnp.maximum(shift, 2 * _factors.ZERO_EXPONENT), x.dtype
-        )
-        at = lambda h, x=x: h.reshape(h.shape + (1,) * (x.ndim - h.ndim))  # noqa: E731
-        arrays.append((x * at(first)) * at(second))
+    exponent (`_factors.brought_to`), for a reader that cannot take them apart. A piece with
+    an entry not finite makes the largest `_interpret.FLAG`: the joined gradient is flagged,
+    as one scaled whole would be."""
+    top = functools.reduce(jnp.maximum, [e for _, e in pieces.parts])
+    arrays = [_factors.brought_to(x, e, top) for x, e in pieces.parts]
     return lax.concatenate(arrays, lead + pieces.axis), top
 
 
@@ -259,10 +247,7 @@ def exponents_apart(x, axis: int, sliced: tuple, bounds: tuple, at: int):
     blocks = lax.optimization_barrier(blocks)  # (else XLA folds the reshape back: as slow as
     # `_interpret._largest_magnitudes` says of a reduction over ``(..., S, 1)``)
     m = jnp.max(jnp.abs(blocks), axis=(axis + 1, axis + 3) if rows else axis + 2)
-    over = tuple(i for i, s in enumerate(sliced) if not s)
-    out = []
-    for lo, hi in zip(bounds, bounds[1:], strict=False):
-        part = jnp.max(m[..., lo // step : hi // step], axis=-1)
-        part = jnp.max(part, axis=over, keepdims=True) if over else part
-        out.append(_interpret.flagged_exponent(part))
-    return out
+    parts = [
+        jnp.max(m[..., lo // step : hi // step], axis=-1) for lo, hi in zip(bounds, bounds[1:])
+    ]
+    return [_interpret.exponents_of(part, axis, sliced) for part in parts]  # (of the maxima)

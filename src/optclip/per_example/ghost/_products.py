@@ -37,9 +37,7 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     float32 (its layers are added there)."""
     eqn, pos = site.eqn, site.views[0][0]
     o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
-    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
-    v_free = [d for d in range(value.ndim - depth) if d not in (*v_contract, *v_batch)]
+    v_contract, v_batch, v_free = _view_dims(eqn, pos)
     levels = list(range(depth))
     at = lambda dims: [depth + 1 + d for d in dims]  # noqa: E731
     r_sum, c_sum = [depth, *at(o_free)], [depth, *at(out_o)]
@@ -87,17 +85,21 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     return out.astype(work)
 
 
+def _view_dims(eqn, pos: int):
+    """A `dot_general`'s view (operand `pos`, one layer's): its contracted, batch and free
+    dimensions."""
+    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
+    ndim = len(eqn.invars[pos].aval.shape)
+    return v_contract, v_batch, [d for d in range(ndim) if d not in (*v_contract, *v_batch)]
+
+
 def view_axis(site, axis: int) -> int:
     """The dimension of a `dot_general` site's view (one layer's) that its output's dimension
     `axis` (one of the view's free ones) runs along: where a block of the output gradient's
     features puts its block of the view's cotangent."""
     eqn, pos = site.eqn, site.views[0][0]
-    out_v = _factors.dense_dims(eqn, pos)[4]
-    (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-    v_contract, v_batch = (contract_l, batch_l) if pos == 0 else (contract_r, batch_r)
-    ndim = len(eqn.invars[pos].aval.shape)
-    v_free = [d for d in range(ndim) if d not in (*v_contract, *v_batch)]
-    return v_free[out_v.index(axis)]
+    return _view_dims(eqn, pos)[2][_factors.dense_dims(eqn, pos)[4].index(axis)]
 
 
 def _adjacent(dims: list) -> bool:
