@@ -544,6 +544,59 @@ def test_a_model_of_single_rows_is_exact_on_every_platform(way, monkeypatch):
         assert_tree_close(grads, sums)
 
 
+def test_an_input_of_the_loss_read_by_one_product_takes_the_factor(mode, monkeypatch):
+    """A record that is an input of the loss (or its values reshaped), read by one product
+    outside scans (`_passes._inputs`), takes each example's factor in that product's clipped
+    sum (`_sums._weights_record`), the larger side though it is; an activation, an input that
+    two products read and an input inside a scan keep the smaller side's rule. Each model
+    against float64, its inputs from 1e-30 to 1e30 by example, beside a padding example and a
+    dropped non-finite one."""
+    from optclip.per_example.ghost import _sums
+
+    seen = []
+    weights = _sums._weights_record
+
+    def spy(site, record, cotangent, input_):
+        chosen = weights(site, record, cotangent, input_)
+        seen.append((record[0].shape[-1], cotangent[0].shape[-1], input_, chosen))
+        return chosen
+
+    monkeypatch.setattr(_sums, "_weights_record", spy)
+    rng = np.random.default_rng(35)
+    a, b, c = (jnp.asarray(rng.normal(size=n), jnp.float32) for n in ((5, 4), (5, 2), (4, 3)))
+    x = jnp.asarray(rng.normal(size=(6, 5)), jnp.float32)
+
+    def layers(p, x):  # (x: 5 wide, its product 4; the activation 4, its product 3)
+        return jnp.sum(jnp.abs(x @ p["a"]) @ p["c"])
+
+    def two_readers(p, x):
+        return jnp.sum(jnp.abs(x @ p["a"])) + jnp.sum(jnp.abs(x @ p["b"]) * 0.5)
+
+    mlp = (layers, {"a": a, "c": c}, x)
+    shared = (two_readers, {"a": a, "b": b}, x)
+    scanned = gm.recurrent(rng, batch=6)
+    expected = {
+        "mlp": [(5, 4, True, True), (4, 3, False, False)],
+        "shared": [(5, 4, False, False), (5, 2, False, False)],
+        # (a step's input, its state, the inner scan's, the last state outside the scans)
+        "scanned": [(3, 3, False, False)] * 4,
+    }
+    for name, (loss, params, x) in {"mlp": mlp, "shared": shared, "scanned": scanned}.items():
+        seen.clear()
+        scale = np.asarray([1e-30, 1.0, 1e30, 3e-7, 1.0, 1.0][: x.shape[0]], np.float32)
+        x = x * scale.reshape(-1, *[1] * (x.ndim - 1))
+        bad = x.at[4].set(np.nan)
+        padding = np.arange(x.shape[0]) == 3
+        step = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True)
+        grads, aux = run(step, mode)(params, bad, is_padding_example=padding)
+        assert sorted(seen) == sorted(expected[name]), (name, seen)
+        kept = [i for i in range(x.shape[0]) if i not in (3, 4)]
+        norms, sums = gm.reference(loss, params, x[np.asarray(kept)], 1.0)
+        assert not np.isfinite(aux.grad_norms[4])
+        np.testing.assert_allclose(np.asarray(aux.grad_norms)[kept], norms, rtol=RTOL)
+        assert_tree_close(grads, sums)
+
+
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 def test_a_convolution_without_a_closed_form_says_why_and_is_exact(mode):
     """A convolution whose parameter is not a plain view of its kernel is materialised, each

@@ -37,9 +37,10 @@ class Tapped:
     or _pieces.Pieces}``) of the tapped sites, each `scaled` by its exponent per layer and
     example: the arrays laid out ``(*levels, B, ...)`` (the layers of the scans the site is
     inside, then the examples, as a scan stacks them: the examples' axis of each is in
-    `record_axes` and `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level
-    along which the weights that read them are the same at every step; the materialised
-    leaves' per-example gradients ``{leaf: (B, *shape)}``; the parameter leaves' values."""
+    `record_axes` and `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level along
+    which the weights that read them are the same at every step; the materialised leaves'
+    per-example gradients ``{leaf: (B, *shape)}``; the parameter leaves' values; `inputs`:
+    the keys of the records that are inputs of the loss read by one site alone."""
 
     losses: Any
     aux: Any
@@ -49,6 +50,7 @@ class Tapped:
     leaves: list
     record_axes: dict  # {record key: the examples' axis}
     grad_axes: dict  # {site id: the examples' axis}
+    inputs: frozenset = frozenset()
 
     @property
     def size(self) -> int:
@@ -391,9 +393,7 @@ def _call(eqn, subplan, invals, taps, records, placed):
         return outs, block_records
 
     remat = jax.checkpoint(
-        block,
-        prevent_cse=eqn.params.get("prevent_cse", True),
-        policy=eqn.params.get("policy"),
+        block, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
     )
     outs, block_records = remat(invals, {i: taps[i] for i in ids})
     records.update(block_records)

@@ -9,9 +9,10 @@ respect to the views, each example's terms weighted by its factor: the batch is 
 inside the VJP, then carried back to the leaf through the view's chain. Where its rule writes
 that VJP out (`_rules.Rule.view_sum`: a dense layer's one matrix product ``A^T (w G)`` as
 ordinary backpropagation's, a convolution's kernel gradient on a CPU) it is used. A dense
-layer or a convolution is bilinear, so the factor goes on whichever of its input and output
-gradient is smaller (``(w A)^T G``: the weighted copy is the small one). The materialised
-leaves' sums are their per-example gradients contracted with the factors.
+layer or a convolution is bilinear, so the factor may go on either side of its product
+(``(w A)^T G``): on an input of the loss that one product alone reads, else on the smaller
+side (`_weights_record`). The materialised leaves' sums are their per-example gradients
+contracted with the factors.
 
 The records and output gradients are normalized (`_interpret.scaled`): each example's
 factor is multiplied by the powers of two they were divided by. Where a side is in a dtype
@@ -54,10 +55,15 @@ def _bilinear(site, record, cotangent) -> bool:
     return closed and len(record) == 1 and len(cotangent) == 1
 
 
-def _weights_record(site, record, cotangent) -> bool:
-    """Whether the plain sum weights `site`'s record (the smaller side of a bilinear site)
-    rather than its output gradients."""
-    return _bilinear(site, record, cotangent) and record[0].size < cotangent[0].size
+def _weights_record(site, record, cotangent, input_: bool) -> bool:
+    """Whether the plain sum weights `site`'s record rather than its output gradients, at a
+    bilinear site: a record that is an input of the loss read by this site alone (`input_`),
+    else the smaller side. The side not weighted is read normalized, a copy XLA may form as
+    soon as its exponents are known and hold until the product; an input's weighted copy is
+    formed for the product, and the caller holds the input itself."""
+    if not _bilinear(site, record, cotangent):
+        return False
+    return input_ or record[0].size < cotangent[0].size
 
 
 @jax.jit
@@ -175,10 +181,10 @@ def pull_back(site, leaves, cotangents, views=None):
 def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     """``{leaf index: sum_b w_b g_b}`` for the leaves `site` uses, from that equation alone:
     each example's factor (times the powers of two its record and output gradient were divided
-    by, `scaled`) on the smaller side of a bilinear site, else on the output gradients. An
-    output gradient in pieces (`_pieces.Pieces`) is one product per piece where the site's rule
-    writes its sum out, those blocks side by side; elsewhere the pieces are joined. `axis`:
-    `jax.vmap`'s `spmd_axis_name`."""
+    by, `scaled`) on the side `_weights_record` picks at a bilinear site, else on the output
+    gradients. An output gradient in pieces (`_pieces.Pieces`) is one product per piece where
+    the site's rule writes its sum out, those blocks side by side; elsewhere the pieces are
+    joined. `axis`: `jax.vmap`'s `spmd_axis_name`."""
     record, exponent = t.records[site.records[0]] if site.records else (None, 0)
     grads = list(t.grads[site.id])
     rule = _rules.RULES.get(site.eqn.primitive.name)
@@ -189,7 +195,7 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
         if written and not any(_narrow(x.dtype, w.dtype) for x in arrays):
             blocks = []
             for part in pieces.parts:
-                r, c, _, _ = _weighted(site, w, record, exponent, [part])
+                r, c, _, _ = _weighted(site, t, w, record, exponent, [part])
                 blocks.append(_written(site, t, target, rule, r[0], c[0], narrow=False))
             if all(b is not None for b in blocks):
                 _, views, depth = blocks[0]
@@ -197,7 +203,7 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
                 product = jnp.concatenate([b[0] for b in blocks], axis=at)
                 return pull_back(site, t.leaves, [product], views)
         grads[0] = _pieces.joined(pieces, site.depth + 1)
-    records, cotangent, narrow, shift = _weighted(site, w, record, exponent, grads)
+    records, cotangent, narrow, shift = _weighted(site, t, w, record, exponent, grads)
     if written:
         found = _written(site, t, target, rule, records[0], cotangent[0], narrow)
         if found is not None:
@@ -220,10 +226,10 @@ def site_sum(site, t: _interpret.Tapped, w, target: Target, axis=None):
     return pull_back(site, t.leaves, cotangents)
 
 
-def _weighted(site, w, record, exponent, grads):
+def _weighted(site, t: _interpret.Tapped, w, record, exponent, grads):
     """``(records, cotangents, narrow, shift)``: `site`'s record (a list of none or one) and
-    output gradients `grads` (``[(array, exponent)]``), each example's factor on the smaller
-    side (`_weights_record`), in a `_narrow` dtype at the site's `common_exponent` (`shift`:
+    output gradients `grads` (``[(array, exponent)]``), each example's factor on the side
+    `_weights_record` picks, in a `_narrow` dtype at the site's `common_exponent` (`shift`:
     applied after the product)."""
     records = [] if record is None else [record]
     cotangent = [g for g, _ in grads]
@@ -231,7 +237,8 @@ def _weighted(site, w, record, exponent, grads):
     narrow = any(_narrow(x.dtype, w.dtype) for x in records + cotangent)
     shift = common_exponent(w, exponents) if narrow else jnp.zeros((), jnp.int32)
     factors = [scaled(w, e, shift) for e in exponents]
-    if _weights_record(site, records, cotangent):
+    input_ = bool(site.records) and site.records[0] in t.inputs
+    if _weights_record(site, records, cotangent, input_):
         records[0] = _times(records[0], factors[0])
     else:
         cotangent = [_times(g, c) for g, c in zip(cotangent, factors, strict=True)]
