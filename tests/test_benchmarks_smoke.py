@@ -298,6 +298,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "ghost",
         "norms at 1",
         "sums of 0",
+        "tapped pass only",
         "Grams only",
         "direct products",
         "norms one example at a time",
@@ -392,21 +393,25 @@ def test_page_faults_are_refused_where_they_are_not_counted(monkeypatch):
 def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     """private_parts.py --flops: each variant's matrix-product operations from its jaxpr. The
     step with its norms taken out does the non-private step's products (the clipped sums are
-    the weight gradients' products, weighted), so the norms are the whole difference; a
-    forced route may do other products than the route chosen."""
+    the weight gradients' products, weighted), so the norms are the whole difference; the
+    tapped pass alone does fewer than the step without its sums; a forced route may do other
+    products than the route chosen."""
     rows = run_private(tmp_path, "--quick", "--flops", script="profile/private_parts.py")
     ratios = {r["variant"]: r.get("flop_ratio") for r in rows}
-    variants = ["ghost", "norms at 1", "sums of 0", "Grams only", "direct products"]
+    variants = ["ghost", "norms at 1", "sums of 0", "tapped pass only", "Grams only"]
+    variants += ["direct products"]
     variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
     variants += ["Grams at HIGHEST", "convolutions' sums together", "scans' steps kept whole"]
     variants += ["scans' products kept"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     forced = ("Grams only", "direct products")  # (other products than the route chosen)
-    same = {ratios[v] for v in variants if v not in ("norms at 1", "sums of 0", *forced)}
+    parts = ("norms at 1", "sums of 0", "tapped pass only")
+    same = {ratios[v] for v in variants if v not in (*parts, *forced)}
     assert len(same) == 1 and ratios["ghost"] > 1.05, ratios
     assert ratios["direct products"] != ratios["ghost"], ratios  # (the tiny model's: Grams)
     assert ratios["sums of 0"] < 1.0, ratios
+    assert ratios["tapped pass only"] < ratios["sums of 0"], ratios  # (no Gram either)
     refused("--flops", "--grams", why="--flops counts the steps' parts")
 
 
