@@ -546,7 +546,7 @@ def test_a_model_of_single_rows_is_exact_on_every_platform(way, monkeypatch):
 
 def test_an_input_of_the_loss_read_by_one_product_takes_the_factor(mode, monkeypatch):
     """A record that is an input of the loss (or its values reshaped), read by one product
-    outside scans (`_passes._inputs`), takes each example's factor in that product's clipped
+    outside scans (`_trace.input_records`), takes each example's factor in that product's clipped
     sum (`_sums._weights_record`), the larger side though it is; an activation, an input that
     two products read and an input inside a scan keep the smaller side's rule. Each model
     against float64, its inputs from 1e-30 to 1e30 by example, beside a padding example and a

@@ -6,11 +6,8 @@ aux)``, as `_materialised.vmap_pass` does.
 
 from __future__ import annotations
 
-import collections
-
 import jax
 import jax.numpy as jnp
-from jax.extend import core as jcore
 
 from optclip.per_example.ghost import (
     _batch,
@@ -102,36 +99,9 @@ def tapped_pass(one, flat: Flat, s: Settings):
         leaves,
         record_axes,
         grad_axes,
-        _inputs(plan, closed.jaxpr, sites),
+        _trace.input_records(plan, closed.jaxpr, sites),
     )
     return plans, tapped
-
-
-# (operations that give their operand's values in the same order: XLA forms no copy for them)
-_SAME_VALUES = ("reshape", "squeeze", "expand_dims", "broadcast_in_dim")
-
-
-def _inputs(plan, jaxpr, sites) -> frozenset:
-    """The record keys of `sites` (the tapped ones) that are inputs of the loss `jaxpr` (or
-    their values reshaped), recorded by one site of `plan` outside every call and scan and
-    read by no other."""
-    readers = collections.Counter(key for site in sites.values() for key in site.records)
-    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
-
-    def source(v):
-        eqn = made.get(v) if isinstance(v, jcore.Var) else None
-        if eqn is None or eqn.primitive.name not in _SAME_VALUES:
-            return v
-        return source(eqn.invars[0]) if eqn.invars[0].aval.size == v.aval.size else v
-
-    inputs = set(jaxpr.invars)
-    return frozenset(
-        key
-        for site in plan.sites.values()
-        if site.id in sites
-        for key, i in zip(site.records, site.recorded, strict=True)
-        if readers[key] == 1 and source(site.eqn.invars[i]) in inputs
-    )
 
 
 def finish(target, plans, t: _interpret.Tapped, padding, s: Settings):

@@ -13,6 +13,7 @@ as a whole (a view leaving it without a site would lose its gradient).
 
 from __future__ import annotations
 
+import collections
 import itertools
 from typing import NamedTuple
 
@@ -141,6 +142,30 @@ def batched_sites(plan: Plan, jaxpr, batched_in) -> frozenset:
         body = _jaxprs.inner_jaxpr(jaxpr.eqns[index])
         out |= batched_sites(subplan, body, bodies.get(index, [False] * len(body.invars)))
     return frozenset(out)
+
+
+def input_records(plan: Plan, jaxpr, sites: dict) -> frozenset:
+    """The record keys of `sites` (``{id: site}``, the tapped ones) that are inputs of the loss
+    `jaxpr` or their elements reshaped (`_views.RESHAPES`), recorded by one site of `plan`
+    outside every call and scan and read by no other: the caller holds them (`_sums` puts the
+    examples' factors on them)."""
+    readers = collections.Counter(key for site in sites.values() for key in site.records)
+    made = {v: eqn for eqn in jaxpr.eqns for v in eqn.outvars}
+
+    def source(v):
+        eqn = made.get(v) if isinstance(v, jcore.Var) else None
+        if eqn is None or eqn.primitive.name not in _views.RESHAPES:
+            return v
+        return source(eqn.invars[0]) if eqn.invars[0].aval.size == v.aval.size else v
+
+    inputs = set(jaxpr.invars)
+    return frozenset(
+        key
+        for site in plan.sites.values()
+        if site.id in sites
+        for key, i in zip(site.records, site.recorded, strict=True)
+        if readers[key] == 1 and source(site.eqn.invars[i]) in inputs
+    )
 
 
 def _passed(operands, invars, known) -> dict:

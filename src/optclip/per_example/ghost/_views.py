@@ -29,16 +29,15 @@ from jax.extend import core as jcore
 
 from optclip.per_example.ghost import _jaxprs
 
-VIEW_PRIMITIVES = frozenset(
+# Operations that give their operand's elements in the same order, with unit dimensions added
+# or dropped (or none broadcast beyond size 1): XLA forms no copy for them.
+RESHAPES = frozenset({"reshape", "broadcast_in_dim", "squeeze", "expand_dims"})
+VIEW_PRIMITIVES = RESHAPES | frozenset(
     {
         "convert_element_type",
-        "reshape",
         "transpose",
-        "broadcast_in_dim",
-        "squeeze",
         "copy",
         "copy_p",
-        "expand_dims",
         "slice",
         "sharding_constraint",  # (`with_sharding_constraint` on a weight: where it is held)
     }
