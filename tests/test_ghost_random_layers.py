@@ -9,6 +9,7 @@ random lookups, ids out of range at either end.
 models, one arrangement of each.) ``OPTCLIP_RANDOM_EXAMPLES=400`` draws 400 examples per test
 where a run draws 8 (docs/design/ghost-numerics.md: how many were searched)."""
 
+import math
 import os
 
 import ghost_models as gm
@@ -22,7 +23,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import optclip
-from optclip.per_example.ghost import _norms
+from optclip.per_example.ghost import _factors, _norms
 
 SPATIAL = "HWD"
 EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))
@@ -195,6 +196,35 @@ def conv_case(**changes):
         "seed": 5,
     }
     return example(case | changes)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.integers(1, 3).flatmap(
+        lambda nd: st.tuples(
+            *(
+                st.lists(st.integers(lo, hi), min_size=nd, max_size=nd)
+                for lo, hi in [(1, 6), (1, 3), (1, 2), (-1, 2), (-1, 2), (1, 2), (1, 2)]
+            )
+        )
+    )
+)
+def test_patches_are_the_entries_of_jax_patches(geometry):
+    """`_factors.patches`, slices of the padded input, against
+    ``lax.conv_general_dilated_patches`` (an identity kernel's convolution): the same entries
+    in the same order, every geometry (strides, negative padding, dilated input and window, an
+    output of no entries), 1 to 3 spatial dimensions."""
+    size, window, strides, low, high, lhs_dilation, rhs_dilation = geometry
+    padding = list(zip(low, high, strict=True))
+    x = np.random.default_rng(0).standard_normal((2, 3, *size)).astype(np.float32)
+    args = (window, strides, padding, lhs_dilation, rhs_dilation)
+    try:
+        want = lax.conv_general_dilated_patches(x, *args, precision=lax.Precision.HIGHEST)
+    except (ValueError, TypeError):  # (JAX refuses it: a padding past the input)
+        assume(False)
+    got = _factors.patches(jnp.asarray(x), 2, *args)  # (N, C, window, *out spatial)
+    assert got.shape == (2, 3, math.prod(window), *want.shape[2:])
+    np.testing.assert_array_equal(got.reshape(want.shape), want)
 
 
 @pytest.mark.slow

@@ -9,7 +9,8 @@ with ``x`` built from the recorded operand (the layer's input, a convolution's p
 lookup's one-hot rows) and ``y`` from the output gradient. A factor's values have shape ``(L,
 B, H, K, S)``: the layers of the scans that slice the weight, the examples, the operation's
 own heads, the summed rows and the features, the order in which the tapped pass stacks records
-and output gradients: a dense layer's factors are its record and output gradient reshaped.
+and output gradients: a dense layer's factors are its record and output gradient reshaped. A
+convolution's patches are held ``(L, B, H, S, K)`` (`Factor.rows_last`), as they are built.
 
 For uses ``u, v`` of one leaf, ``<g^u, g^v> = sum_h sum_{k,l} (x^u_{hk} . x^v_{hl})
 (y^u_{hk} . y^v_{hl})`` (`pair_term`, the Gram route), or for one use ``||sum_k x_k (outer)
@@ -26,6 +27,7 @@ inlines the calls, so the compiled program is the one the operations written out
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from typing import Any, NamedTuple
 
@@ -70,18 +72,32 @@ def higher(*precisions):
 
 class Factor(NamedTuple):
     """One side of a use's outer products: `values` of shape ``(L, B, H, K, S)`` in the
-    accumulation dtype, or for a lookup's one-hot side `ids` of shape ``(L, B, H, K)`` into
-    `size` rows; `precision` that of its Grams (a Gram of two factors takes the higher)."""
+    accumulation dtype (``(L, B, H, S, K)`` where `rows_last`: a convolution's patches, built
+    with their positions last and read so by the products), or for a lookup's one-hot side
+    `ids` of shape ``(L, B, H, K)`` into `size` rows; `precision` that of its Grams (a Gram of
+    two factors takes the higher)."""
 
     values: Any = None
     ids: Any = None
     size: int = 0
     precision: Any = HIGHEST
+    rows_last: bool = False
 
     @property
     def shape(self) -> tuple:
         """``(L, B, H, K, S)``; S is 1 for a one-hot side."""
-        return self.values.shape if self.values is not None else (*self.ids.shape, 1)
+        if self.values is None:
+            return (*self.ids.shape, 1)
+        shape = self.values.shape
+        return (*shape[:3], shape[4], shape[3]) if self.rows_last else shape
+
+    def rows_first(self):
+        """`values` laid out ``(L, B, H, K, S)``."""
+        return jnp.swapaxes(self.values, 3, 4) if self.rows_last else self.values
+
+    def subscripts(self, rows: str, features: str) -> str:
+        """The einsum subscripts of `values`, its rows and features named."""
+        return "lbh" + (features + rows if self.rows_last else rows + features)
 
 
 def _ints(dtype):
@@ -236,11 +252,34 @@ def dense_factors(site, record, grad, acc):
     return Factor(x.astype(acc), precision=precision), Factor(y.astype(acc), precision=precision)
 
 
+def patches(x, axis: int, window, strides, padding, lhs_dilation, rhs_dilation):
+    """Each output position's input patch of a convolution, from `x` whose last ``len(window)``
+    dimensions are the spatial ones: ``x.shape[:-nd]`` with the window's offsets inserted at
+    `axis` (in row-major order), then the output's spatial dimensions: the entries of
+    ``lax.conv_general_dilated_patches``. Slices of the padded (and `lhs_dilation`-dilated)
+    input, one per offset: copies, where that function convolves with an identity kernel
+    (the window's size in multiply-adds for every entry)."""
+    nd = len(window)
+    lead = x.ndim - nd
+    spatial_pads = ((lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True))
+    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * lead + list(spatial_pads))
+    span = [(k - 1) * r + 1 for k, r in zip(window, rhs_dilation, strict=True)]
+    out = [max((n - w) // s + 1, 0) for n, w, s in zip(xp.shape[lead:], span, strides)]
+    slices = []
+    for offset in itertools.product(*(range(k) for k in window)):
+        start = [o * r if n else 0 for o, r, n in zip(offset, rhs_dilation, out, strict=True)]
+        limit = [a + (n - 1) * s + 1 if n else 0 for a, n, s in zip(start, out, strides)]
+        steps = (1,) * lead + tuple(strides)
+        slices.append(lax.slice(xp, (0,) * lead + tuple(start), (*xp.shape[:lead], *limit), steps))
+    return jnp.stack(slices, axis=axis)
+
+
 def conv_factors(site, record, grad, acc):
     """The factors of a convolution by the kernel: each output position's input patch (`x`,
-    ``lax.conv_general_dilated_patches``: features ordered input feature first, then the
-    window) and output gradient (`y`), a head per feature group (its input features' patches,
-    its output features)."""
+    `patches`: features ordered input feature first, then the window) and output gradient
+    (`y`), a head per feature group (its input features' patches, its output features). The
+    patches are built with their positions last (`Factor.rows_last`): each offset's slice is
+    then a run of whole rows, and the Grams and products read them in that layout."""
     p = site.eqn.params
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
     kernel = site.eqn.invars[1].aval.shape
@@ -248,28 +287,24 @@ def conv_factors(site, record, grad, acc):
     groups = p["feature_group_count"]
     sliced = sliced_levels(site)
     lead = len(sliced) + 1  # (the levels and the examples)
-
-    def patches(lhs):  # one example: (N, C * prod(window), *out spatial)
-        return lax.conv_general_dilated_patches(
-            jnp.transpose(lhs, lhs_spec),
-            window,
-            p["window_strides"],
-            p["padding"],
-            p["lhs_dilation"],
-            p["rhs_dilation"],
-            precision=HIGHEST,
-        )
-
-    x = jax.vmap(patches)(record.astype(acc).reshape(-1, *record.shape[lead:]))
-    x = jnp.moveaxis(x, 2, -1)  # (levels x B, N, *spatial, features)
+    # (*levels, B, C, N, *spatial): the input features before the images
+    order = (lhs_spec[1], lhs_spec[0], *lhs_spec[2:])
+    r = jnp.transpose(record.astype(acc), (*range(lead), *(lead + d for d in order)))
+    x = patches(
+        r, lead + 1, window, p["window_strides"], p["padding"], p["lhs_dilation"], p["rhs_dilation"]
+    )  # (*levels, B, C, window, N, *out spatial)
+    features = r.shape[lead] // groups * math.prod(window)
+    x = x.reshape(*record.shape[:lead], groups, features, math.prod(x.shape[lead + 2 :]))
     y = jnp.transpose(grad, (*range(lead), *(lead + d for d in out_spec)))
     y = jnp.moveaxis(y, lead + 1, -1)  # (*levels, B, N, *spatial, out features)
     precision = product_precision(p["precision"])
-    at = ((1,), (0,), (2,))  # (rows, heads, features: the heads are the groups)
-    x = x.reshape(*record.shape[:lead], -1, groups, x.shape[-1] // groups)
     y = y.reshape(*grad.shape[:lead], -1, groups, y.shape[-1] // groups)
-    x, y = arrange(x, sliced, at), arrange(y, sliced, at).astype(acc)
-    return Factor(x, precision=precision), Factor(y, precision=precision)
+    if all(sliced):  # (heads, features, rows) as they are: ``(L, B, H, S, K)``
+        x = x.reshape(math.prod(x.shape[: lead - 1]), *x.shape[lead - 1 :])
+    else:  # (a level's rows joined to the positions: `arrange` moves them)
+        x = jnp.swapaxes(arrange(jnp.swapaxes(x, -1, -2), sliced, ((0,), (1,), (2,))), 3, 4)
+    y = arrange(y, sliced, ((1,), (0,), (2,))).astype(acc)
+    return Factor(x, precision=precision, rows_last=True), Factor(y, precision=precision)
 
 
 def embed_factors(site, indices, grad, acc):
@@ -315,14 +350,15 @@ def gram(a: Factor, b: Factor, acc):
     """``(L, B, H, Ka, Kb)``: the inner products of every row of `a` with every row of `b`."""
     if a.values is not None and b.values is not None:
         precision = higher(a.precision, b.precision)
-        return jnp.einsum("lbhks,lbhjs->lbhkj", a.values, b.values, precision=precision)
+        spec = f"{a.subscripts('k', 's')},{b.subscripts('j', 's')}->lbhkj"
+        return jnp.einsum(spec, a.values, b.values, precision=precision)
     if a.values is None and b.values is None:
         return (a.ids[..., :, None] == b.ids[..., None, :]).astype(acc)
     if a.values is None:
         return jnp.swapaxes(gram(b, a, acc), -1, -2)
     # a dense (L, B, H, Ka, S), b one-hot (L, B, H, Kb): a[..., k, ids[..., l]]
-    ids = jnp.broadcast_to(b.ids[..., None, :], (*a.values.shape[:4], b.ids.shape[3]))
-    return jnp.take_along_axis(a.values, ids, axis=4)
+    ids = jnp.broadcast_to(b.ids[..., None, :], (*a.shape[:4], b.ids.shape[3]))
+    return jnp.take_along_axis(a.rows_first(), ids, axis=4)
 
 
 def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
@@ -331,8 +367,8 @@ def pair_term(x1: Factor, y1: Factor, x2: Factor, y2: Factor, acc):
     if dense and x1.shape[3] == 1 and x2.shape[3] == 1:
         # one row each (a dense layer on one vector per example): the Grams are inner
         # products, whose reductions XLA fuses with anything that divides the factors
-        p = jnp.sum(x1.values * x2.values, axis=4)
-        q = jnp.sum(y1.values * y2.values, axis=4)
+        p = jnp.sum(x1.rows_first() * x2.rows_first(), axis=4)
+        q = jnp.sum(y1.rows_first() * y2.rows_first(), axis=4)
         return jnp.sum(p * q, axis=(2, 3))
     # (the barrier: XLA on the CPU otherwise fuses both Grams and their product into one loop,
     # slower than the three apart)
@@ -345,7 +381,8 @@ def self_term(x: Factor, y: Factor, acc, direct: bool):
     squares; else by the Gram route."""
     if direct and x.values is not None and y.values is not None:
         precision = higher(x.precision, y.precision)
-        g = jnp.einsum("lbhkc,lbhkf->lbhcf", x.values, y.values, precision=precision)
+        spec = f"{x.subscripts('k', 'c')},{y.subscripts('k', 'f')}->lbhcf"
+        g = jnp.einsum(spec, x.values, y.values, precision=precision)
         # (no `optimization_barrier` before the squares: with one, XLA 0.10.2 on a CPU computed
         # wrong sums of squares of one example's product, nondeterministically)
         return jnp.sum(jnp.square(g), axis=(2, 3, 4))
