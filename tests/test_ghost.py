@@ -668,19 +668,29 @@ def separable(rng, examples, size=8, features=64):
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("examples", [1, 2])
-def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, monkeypatch):
+@pytest.mark.parametrize("formed", [True, False], ids=["products", "patches"])
+def test_convolutions_norms_one_example_at_a_time_match_float64(
+    formed, examples, mode, monkeypatch
+):
     """Depthwise-separable blocks (a depthwise 3x3 and a pointwise 1x1 kernel of 64 features,
-    each of whose norms is its per-example product's squares, `_factors.self_term`) with the
-    norms taken one example at a time, as a CPU takes them for images of real sizes
-    (`_norms.LOOP_WORK`, forced here): against float64, jitted and eager, and the same in a
-    second call. With an `optimization_barrier` before the squares, XLA 0.10.2 on a CPU gave
-    norms 0.23 off here for a batch of one and 0.40 for two (jitted; eager, too), 1.1e-3 off
-    for one example through the 1x1 kernel alone, and other values in another process. On a
-    CPU each example's four kernels' norms, and the four convolutions' clipped sums
-    (`_sums.in_turn`) go one after another."""
+    each of whose norms is its per-example product's squares): against float64, jitted and
+    eager, and the same in a second call. Their route is ``PRODUCT``: each per-example
+    gradient formed once, over the batch (`_norms.products`), gives the norm and the clipped
+    sum. With those products not formed (`patches`), each kernel's norm is its patches'
+    direct product (`_factors.self_term`), taken one example at a time as a CPU takes them
+    for images of real sizes (`_norms.LOOP_WORK`, forced here), and the four convolutions'
+    clipped sums go one after another (`_sums.in_turn`). With an `optimization_barrier` before
+    the squares, XLA 0.10.2 on a CPU gave norms 0.23 off there for a batch of one and 0.40 for
+    two (jitted; eager, too), 1.1e-3 off for one example through the 1x1 kernel alone, and
+    other values in another process."""
     from optclip.per_example.ghost import _norms, _sums
 
     monkeypatch.setattr(_norms, "LOOP_WORK", 0)
+    formed_products = []
+    products = _norms.products
+    spy = lambda plans, t: formed_products.append(len(products(plans, t))) or {}  # noqa: E731
+    if not formed:
+        monkeypatch.setattr(_norms, "products", spy)
     sums = []  # (the clipped sums' loops)
     in_turn = _sums.in_turn
     spy_sums = lambda sites, *rest: sums.append(len(sites)) or in_turn(sites, *rest)  # noqa: E731
@@ -696,7 +706,60 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(examples, mode, 
     check_against_grads(first, grads64, 1.0)
     check_against_grads(again, grads64, 1.0)
     np.testing.assert_array_equal(first[1].grad_norms, again[1].grad_norms)
-    assert sums and set(sums) == {4}, sums
+    if formed:
+        assert not sums, sums  # (no convolution's sum from its output gradient)
+    else:
+        assert set(formed_products) == {4} and sums and set(sums) == {4}, (formed_products, sums)
+
+
+def test_a_convolutions_product_is_formed_where_it_is_no_larger_than_its_output_gradient(
+    monkeypatch,
+):
+    """The ``PRODUCT`` route (`_plans.route`): a convolution outside scans whose per-example
+    kernel gradient takes fewer multiply-adds than its Grams and is no larger than its output
+    gradient has it formed in the tapped pass (`_norms.products`); not one whose input
+    features times window exceed its positions, one in a scan, one scaled, nor a kernel used
+    twice. Every model's norms and sums against float64, with an example at 1e-20 and one at
+    1e20 (their squares out of float32's range)."""
+    from optclip.per_example.ghost import _norms
+
+    formed: list = []
+    products = _norms.products
+    spy = lambda plans, t: formed.append(sorted(products(plans, t))) or products(plans, t)  # noqa: E731
+    monkeypatch.setattr(_norms, "products", spy)
+
+    def conv(h, k, groups=1):
+        dn = ("NWC", "WIO", "NWC")
+        return lax.conv_general_dilated(
+            h, k, (1,), "SAME", dimension_numbers=dn, feature_group_count=groups
+        )
+
+    rng = np.random.default_rng(41)
+    k = jnp.asarray(rng.normal(size=(3, 2, 4)) / 3, jnp.float32)
+
+    def head(y):  # (linear: the examples at 1e20 have gradients of 1e20, no rounding of a sine)
+        return jnp.sum(y * jnp.linspace(-1.0, 1.0, y.shape[-1]))
+
+    def scanned(p, x):
+        return head(lax.scan(lambda h, _: (conv(h, p[0])[..., :2], None), x, None, length=2)[0])
+
+    models = {  # name: (loss, params, images' width, the leaves formed)
+        "alone": (lambda p, x: head(conv(x, p[0])), [k], 12, [0]),
+        "wide input": (lambda p, x: head(conv(x, p[0])), [k], 5, []),
+        "scaled": (lambda p, x: head(conv(x, 2 * p[0])), [k], 12, []),
+        "twice": (lambda p, x: head(conv(conv(x, p[0])[..., :2], p[0])), [k], 12, []),
+        "in a scan": (scanned, [k], 12, []),
+    }
+    for name, (loss, params, width, want) in models.items():
+        x = rng.normal(size=(3, width, 2)).astype(np.float32)
+        x[1] *= np.float32(1e-20)
+        x[2] *= np.float32(1e20)
+        formed.clear()
+        result = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True))(
+            params, jnp.asarray(x)
+        )
+        assert formed == [want], (name, formed)
+        check_against_grads(result, gm.per_example_grads(loss, params, jnp.asarray(x)), 1.0)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import optclip
-from optclip.per_example.ghost import _factors, _norms
+from optclip.per_example.ghost import _convs, _norms
 
 SPATIAL = "HWD"
 EXAMPLES = int(os.environ.get("OPTCLIP_RANDOM_EXAMPLES", "8"))
@@ -210,7 +210,7 @@ def conv_case(**changes):
     )
 )
 def test_patches_are_the_entries_of_jax_patches(geometry):
-    """`_factors.patches`, slices of the padded input, against
+    """`_convs.patches`, slices of the padded input, against
     ``lax.conv_general_dilated_patches`` (an identity kernel's convolution): the same entries
     in the same order, every geometry (strides, negative padding, dilated input and window, an
     output of no entries), 1 to 3 spatial dimensions."""
@@ -222,7 +222,7 @@ def test_patches_are_the_entries_of_jax_patches(geometry):
         want = lax.conv_general_dilated_patches(x, *args, precision=lax.Precision.HIGHEST)
     except (ValueError, TypeError):  # (JAX refuses it: a padding past the input)
         assume(False)
-    got = _factors.patches(jnp.asarray(x), 2, *args)  # (N, C, window, *out spatial)
+    got = _convs.patches(jnp.asarray(x), 2, *args)  # (N, C, window, *out spatial)
     assert got.shape == (2, 3, math.prod(window), *want.shape[2:])
     np.testing.assert_array_equal(got.reshape(want.shape), want)
 

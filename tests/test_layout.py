@@ -61,6 +61,7 @@ LAYERS = [
     ["per_example.ghost._target"],  # the platform a step is lowered for, decided once per step
     ["per_example.ghost._sites"],  # a use of a parameter: its kind and layout
     ["per_example.ghost._factors"],  # a use's per-example gradient as factors; Grams
+    ["per_example.ghost._convs"],  # a convolution's patches and per-example products
     ["per_example.ghost._products"],  # a product site's batch sum written as one product
     ["per_example.ghost._rules"],  # the table of rules keyed by primitive
     ["per_example.ghost._trace"],  # where the parameters are used: sites and plans

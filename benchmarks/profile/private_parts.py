@@ -42,7 +42,11 @@ side by side in one process (interleaved medians, ratios to the non-private step
   float32 products are float32 at every precision, the same step as ``ghost``;
 * ``convolutions' sums together``: the convolutions' clipped sums in one program on a CPU,
   where they otherwise go one after another (`_sums.in_turn`). On a model with fewer than
-  two convolved leaves, the same step as ``ghost``;
+  two convolved leaves whose route is not ``PRODUCT``, the same step as ``ghost``;
+* ``convolutions' products not formed``: no leaf's per-example gradient formed in the tapped
+  pass (`_norms.products` giving none): a ``PRODUCT`` convolution's norm from its patches'
+  direct product, its clipped sum from its output gradient, as every ``DIRECT`` leaf's. On a
+  model with no ``PRODUCT`` leaf, the same step as ``ghost``;
 * ``scans' steps kept whole``: every value a scan's step computes kept for the backward pass
   (`_interpret.SCAN_SAVES` saving everything), where the engine keeps the values its sites'
   output gradients are taken at and its other products' outputs, and computes the rest again.
@@ -53,7 +57,8 @@ side by side in one process (interleaved medians, ratios to the non-private step
 
 The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
 `_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
-`_factors.product_precision`, `_sums.in_turn`, `_interpret.SCAN_SAVES`) while each step is
+`_factors.product_precision`, `_sums.in_turn`, `_norms.products`, `_interpret.SCAN_SAVES`) while
+each step is
 traced; each variant's norms are checked to be what it says (1 where the norms are
 replaced). A diagnostic, not a contract.
 
@@ -179,6 +184,7 @@ VARIANTS = {
     "output gradients unpinned": {"in_row_major": lambda g: g},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "convolutions' sums together": {"in_turn": _together},
+    "convolutions' products not formed": {"products": lambda plans, t: {}},
     "scans' steps kept whole": {"SCAN_SAVES": jax.checkpoint_policies.everything_saveable},
     "scans' products kept": {"SCAN_SAVES": jax.checkpoint_policies.dots_saveable},
 }
@@ -190,6 +196,7 @@ _MODULES = {
     "in_row_major": _interpret,
     "product_precision": _factors,
     "in_turn": _sums,
+    "products": _norms,
     "SCAN_SAVES": _interpret,
 }
 

@@ -40,7 +40,8 @@ class Tapped:
     `record_axes` and `grad_axes`), the exponents ``(*levels, B)``, of size 1 at a level along
     which the weights that read them are the same at every step; the materialised leaves'
     per-example gradients ``{leaf: (B, *shape)}``; the parameter leaves' values; `inputs`:
-    the keys of the records that are inputs of the loss read by one site alone."""
+    the records that are inputs of the loss one site alone reads; `products`: the ``PRODUCT``
+    leaves' per-example gradients ``{leaf: _norms.Product}``."""
 
     losses: Any
     aux: Any
@@ -51,6 +52,7 @@ class Tapped:
     record_axes: dict  # {record key: the examples' axis}
     grad_axes: dict  # {site id: the examples' axis}
     inputs: frozenset = frozenset()
+    products: dict = dataclasses.field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -68,25 +70,22 @@ class Tapped:
 
         def cut(x, axis):
             if x.dtype == jnp.bfloat16:
-                # XLA on a CPU slices a bfloat16 array in float32: in a loop over the examples
-                # it hoisted a float32 copy of the whole array out of the loop. Tied to `b`, it
-                # is not loop-invariant (a float32 array is left alone: the barrier costs time).
+                # XLA on a CPU slices bfloat16 in float32, and hoisted a float32 copy of the whole
+                # array out of the loop over the examples: tied to `b`, it is not loop-invariant
                 x, at = lax.optimization_barrier((x, b))
                 return lax.dynamic_slice_in_dim(x, at, 1, axis=axis)
             return lax.dynamic_slice_in_dim(x, b, 1, axis=axis)
 
+        def cut_all(tree, axis):  # (an output gradient's `_pieces.Pieces` is a pytree)
+            return jax.tree.map(lambda a: cut(a, axis), tree)
+
         return dataclasses.replace(
             self,
             losses=cut(self.losses, 0),
-            records={
-                k: tuple(cut(a, self.record_axes[k]) for a in pair)
-                for k, pair in self.records.items()
-            },
-            grads={  # (an output gradient's pieces too: `_pieces.Pieces` is a pytree)
-                i: jax.tree.map(lambda a, i=i: cut(a, self.grad_axes[i]), gs)
-                for i, gs in self.grads.items()
-            },
+            records={k: cut_all(r, self.record_axes[k]) for k, r in self.records.items()},
+            grads={i: cut_all(g, self.grad_axes[i]) for i, g in self.grads.items()},
             example_grads={k: cut(g, 0) for k, g in self.example_grads.items()},
+            products={k: cut_all(p, 0) for k, p in self.products.items()},
         )
 
 

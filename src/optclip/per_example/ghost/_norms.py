@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from optclip.norms import _reductions
-from optclip.per_example.ghost import _factors, _interpret, _pieces, _plans, _rules
+from optclip.per_example.ghost import _convs, _factors, _interpret, _pieces, _plans, _rules
 from optclip.per_example.ghost._plans import Mode, Route
 from optclip.per_example.ghost._target import Target
 
@@ -134,7 +135,8 @@ def _group_terms(plan, group, chosen, route: Route, acc) -> list:
         ks = [k + n for k, (_, n) in zip(ks, numbers, strict=True)]
     own = {}
     for i, (x, _, y, _) in enumerate(chosen):
-        own[i] = _factors.self_term(x, y, acc, route is Route.DIRECT)
+        # (a ``PRODUCT`` leaf whose product the tapped pass did not form: its direct product)
+        own[i] = _factors.self_term(x, y, acc, route in (Route.DIRECT, Route.PRODUCT))
     for i, j in itertools.combinations_with_replacement(range(len(chosen)), 2):
         if i == j:
             value = own[i]
@@ -158,10 +160,10 @@ def _flagged(exponents) -> jax.Array:
     )
 
 
-def combine(terms, flagged, acc):
-    """The examples' norms (shape (B,)) from `terms` ``[(value, exponent)]`` (``(L, B)``
-    each), added at the largest exponent among the terms that are not 0 (each shifted by a
-    power of two <= 1); NaN where `flagged`."""
+def added(terms, acc):
+    """`terms` ``[(value, exponent)]`` (``(L, B)`` each) added, per example, at the largest
+    exponent among the terms that are not 0 (each shifted by a power of two <= 1): ``(total,
+    top)``, the sum ``total * 2**top`` (`top` 0 where every term is 0)."""
     values = jnp.concatenate([v.astype(acc).reshape(-1, v.shape[-1]) for v, _ in terms])
     exponents = jnp.concatenate(
         [jnp.broadcast_to(e, v.shape).reshape(-1, v.shape[-1]) for v, e in terms]
@@ -172,7 +174,13 @@ def combine(terms, flagged, acc):
     shift = jnp.where(top == ZERO, 0, jnp.maximum(counted - top, 2 * ZERO))
     first, second = _factors.powers_of_two(shift, acc)
     total = jnp.maximum(jnp.sum((values * first) * second, axis=0), 0)
-    top = jnp.where(top == ZERO, 0, top)
+    return total, jnp.where(top == ZERO, 0, top)
+
+
+def combine(terms, flagged, acc):
+    """The examples' norms (shape (B,)) from `terms` ``[(value, exponent)]`` (``(L, B)``
+    each), `added`; NaN where `flagged`."""
+    total, top = added(terms, acc)
     odd = top & 1  # (``2**top`` is ``2**odd`` under the root, ``2**(top // 2)`` outside it)
     first, second = _factors.powers_of_two((top - odd) >> 1, acc)
     norms = (root(total * (1 + odd).astype(acc)) * first) * second
@@ -208,36 +216,71 @@ def _materialised_term(grads, acc):
     return (value, 2 * e), bad[0]
 
 
-def _all_leaves(plans, t: _interpret.Tapped, acc):
-    """Every leaf's norms, combined."""
+class Product(NamedTuple):
+    """A ``PRODUCT`` leaf's per-example gradient (`_convs.conv_products`, ``(B, H, S, F)``),
+    its record and output gradient normalized, the power of two they were divided by
+    (`exponent`, ``(B,)``), and whether either was not finite (`flagged`)."""
+
+    values: jax.Array
+    exponent: jax.Array
+    flagged: jax.Array
+
+
+def route(plan, t: _interpret.Tapped, acc):
+    """A ghost leaf's `_plans.route`, from its factors' shapes (`jax.eval_shape`: nothing
+    formed)."""
+    shapes: list = []
+    jax.eval_shape(lambda: shapes.extend(joined_shapes(plan, use_factors(plan, t, acc))))
+    return _plans.route(plan, shapes)
+
+
+def products(plans, t: _interpret.Tapped) -> dict:
+    """``{leaf: Product}`` of the leaves whose route is ``PRODUCT``, formed from the tapped
+    pass's records and output gradients (the tapped pass keeps them: `Tapped.products`)."""
+    acc = accumulation(t)
+    out = {}
+    for i, plan in enumerate(plans):
+        if plan.mode is not Mode.GHOST or route(plan, t, acc) is not Route.PRODUCT:
+            continue
+        site = plan.uses[0].site
+        record, er = t.records[site.records[0]]
+        (grad,) = t.grads[site.id]
+        if isinstance(grad, _pieces.Pieces):
+            grad = _pieces.joined(grad, site.depth + 1)
+        g, eg = grad
+        values = _convs.conv_products(site, record, g, acc)
+        out[i] = Product(values, er + eg, _flagged([er[None], eg[None]]))
+    return out
+
+
+def _terms(plans, t: _interpret.Tapped, acc):
+    """Every leaf's terms but the ``PRODUCT`` leaves', and the examples flagged."""
     terms, exponents, flagged = [], [], jnp.zeros((t.size,), bool)
     grads = materialised(plans, t)
     if grads is not None:
         term, flagged = _materialised_term(grads, acc)
         terms.append(term)
-    for plan in plans:
-        if plan.mode is not Mode.GHOST:
+    for i, plan in enumerate(plans):
+        if plan.mode is not Mode.GHOST or i in t.products:
             continue
         uses = use_factors(plan, t, acc)
-        route = _plans.route(plan, joined_shapes(plan, uses))
-        assert route is not None  # (a ghost leaf)
-        terms += leaf_terms(plan, uses, route, acc)
+        found = _plans.route(plan, joined_shapes(plan, uses))
+        assert found is not None  # (a ghost leaf)
+        terms += leaf_terms(plan, uses, found, acc)
         exponents += [e for tuples in uses for _, ex, _, ey in tuples for e in (ex, ey)]
-    if not terms:
-        return jnp.zeros((t.size,), acc)
     if exponents:
         flagged |= _flagged(exponents)
-    return combine(terms, flagged, acc)
+    return terms, flagged
 
 
 def _gram_work(plans, t, acc) -> int:
     """The multiply-adds of one example's Grams (every ghost use's own, ``L H K^2 (Sx +
-    Sy)``), from the shapes of its factors."""
+    Sy)``; the ``PRODUCT`` leaves' none), from the shapes of its factors."""
     shapes: list = []
 
     def count():  # (shapes only: `jax.eval_shape` computes nothing)
-        for p in plans:
-            if p.mode is Mode.GHOST:
+        for i, p in enumerate(plans):
+            if p.mode is Mode.GHOST and i not in t.products:
                 shapes.extend(joined_shapes(p, use_factors(p, t, acc)))
 
     jax.eval_shape(count)
@@ -247,8 +290,29 @@ def _gram_work(plans, t, acc) -> int:
 def norms(plans, t: _interpret.Tapped, target: Target) -> jax.Array:
     """The examples' norms (shape (B,)): on a CPU one example at a time where one example's
     Grams take at least `LOOP_WORK` multiply-adds (below that the loop's iterations cost more
-    than they save), else the whole batch at once (a GPU would serialise the loop)."""
+    than they save), else the whole batch at once (a GPU would serialise the loop). A
+    ``PRODUCT`` leaf's term is its per-example gradient's sum of squares, over the batch."""
     acc = accumulation(t)
+    terms, flagged = [], jnp.zeros((t.size,), bool)
+    for p in t.products.values():
+        terms.append((jnp.sum(jnp.square(p.values), axis=(1, 2, 3))[None], 2 * p.exponent[None]))
+        flagged |= p.flagged
     if t.one_by_one and _gram_work(plans, t, acc) >= LOOP_WORK and target.cpu:
-        return lax.map(lambda b: _all_leaves(plans, t.example(b), acc)[0], jnp.arange(t.size))
-    return _all_leaves(plans, t, acc)
+
+        def one(b):  # (the example's terms added: one term per example)
+            found, bad = _terms(plans, t.example(b), acc)
+            total, top = (
+                added(found, acc) if found else (jnp.zeros((1,), acc), jnp.zeros((1,), jnp.int32))
+            )
+            return total[0], top[0], bad[0]
+
+        total, top, bad = lax.map(one, jnp.arange(t.size))
+        terms.append((total[None], top[None]))
+        flagged |= bad
+    else:
+        found, bad = _terms(plans, t, acc)
+        terms += found
+        flagged |= bad
+    if not terms:
+        return jnp.zeros((t.size,), acc)
+    return combine(terms, flagged, acc)

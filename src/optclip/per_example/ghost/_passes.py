@@ -6,6 +6,8 @@ aux)``, as `_materialised.vmap_pass` does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -101,7 +103,7 @@ def tapped_pass(one, flat: Flat, s: Settings):
         grad_axes,
         _trace.input_records(plan, closed.jaxpr, sites),
     )
-    return plans, tapped
+    return plans, dataclasses.replace(tapped, products=_norms.products(plans, tapped))
 
 
 def finish(target, plans, t: _interpret.Tapped, padding, s: Settings):

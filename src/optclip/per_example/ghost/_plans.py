@@ -40,11 +40,16 @@ class Route(enum.Enum):
       products where each use has one row per example).
     * ``DIRECT``: ghost, one use, ``||X^T Y||^2``: where that takes fewer operations than the
       Grams (the product per example is smaller than the factors).
+    * ``PRODUCT``: ``DIRECT`` for a convolution outside scans whose per-example gradient is
+      no larger than its output gradient: that product, formed once in the tapped pass window
+      offset by window offset (no patches), gives the norm and the clipped sum, so that its
+      output gradient is read once, as soon as it is formed.
     """
 
     MATERIALISED = "materialised"
     GRAMS = "grams"
     DIRECT = "direct"
+    PRODUCT = "product"
 
 
 FORCES = ("materialised", "grams", "direct")
@@ -192,18 +197,25 @@ def route(plan: LeafPlan, shapes) -> Route | None:
     ``DIRECT`` for a single use of more than one row where ``K (C + F) > C F`` (its product
     ``(C, F)`` per example takes fewer multiply-adds than its Grams) and ``C F <= 2 K K``
     (the product is no larger than the two Grams: the factors are held either way, the
-    product or the Grams beside them), else ``GRAMS``."""
+    product or the Grams beside them), else ``GRAMS``; a ``DIRECT`` convolution outside
+    scans, its kernel's view not scaled, with ``C <= K`` (its product no larger than its output
+    gradient), ``PRODUCT``."""
     if plan.mode is Mode.UNUSED:
         return None
     if plan.mode is Mode.MATERIALISED:
         return Route.MATERIALISED
     force = forced()
     product = len(shapes) == 1 and plan.uses[0].site.kind is not _sites.Kind.EMBED
-    if force in ("grams", "direct"):
-        return Route.DIRECT if force == "direct" and product else Route.GRAMS
     (_, _, _, k, c), (_, _, _, _, f) = shapes[0]
-    fewer = k * (c + f) > c * f and c * f <= 2 * k * k
-    return Route.DIRECT if product and k > 1 and fewer else Route.GRAMS
+    if force in ("grams", "direct"):
+        direct = force == "direct" and product
+    else:
+        direct = product and k > 1 and k * (c + f) > c * f and c * f <= 2 * k * k
+    if not direct:
+        return Route.GRAMS
+    site = plan.uses[0].site
+    alone = site.kind is _sites.Kind.CONV and not site.depth and not plan.scales
+    return Route.PRODUCT if alone and not plan.uses[0].swapped and c <= k else Route.DIRECT
 
 
 def ghost_sites(plans) -> dict:

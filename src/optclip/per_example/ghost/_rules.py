@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import NamedTuple
 
-from optclip.per_example.ghost import _factors, _products, _sites
+from optclip.per_example.ghost import _convs, _factors, _products, _sites
 
 
 class Rule(NamedTuple):
@@ -22,7 +22,7 @@ class Rule(NamedTuple):
 RULES: dict[str, Rule] = {
     "dot_general": Rule(_sites.dense, _factors.dense_factors, _products.dense_view_sum),
     "gather": Rule(_sites.embed, _factors.embed_factors, None),
-    "conv_general_dilated": Rule(_sites.conv, _factors.conv_factors, _products.conv_view_sum),
+    "conv_general_dilated": Rule(_sites.conv, _convs.conv_factors, _products.conv_view_sum),
     "add": Rule(_sites.added, _factors.added_factors, None),
     "add_any": Rule(_sites.added, _factors.added_factors, None),
     "sub": Rule(_sites.added, _factors.added_factors, None),

@@ -274,12 +274,35 @@ def _ghost_sums(plans, t, w, target: Target, axis=None):
             total[leaf] = total[leaf] + g.astype(total[leaf].dtype)
         return total
 
-    sites = list(_plans.ghost_sites(plans).values())
+    for i, product in t.products.items():
+        site = plans[i].uses[0].site
+        for leaf, g in product_sum(site, t, scaled(w, product.exponent), product.values).items():
+            out[leaf] = out[leaf] + g.astype(out[leaf].dtype)
+    done = {plans[i].uses[0].site.id for i in t.products}
+    sites = [s for s in _plans.ghost_sites(plans).values() if s.id not in done]
     convs = [s for s in sites if s.kind is _sites.Kind.CONV]
     convs = convs if len(convs) > 1 and target.cpu else []
     for site in sites:
         out = out if site in convs else added(site, out)
     return in_turn(convs, added, out) if convs else out
+
+
+def product_sum(site, t: _interpret.Tapped, factors, product):
+    """``{leaf: sum_b factors_b product_b}`` of a convolution's per-example gradients
+    (`_norms.Product`, ``(B, H, S, F)``: its feature groups, its input features and window,
+    its output features per group), carried to the kernel's layout and to its leaf."""
+    p = site.eqn.params
+    rhs_spec = p["dimension_numbers"].rhs_spec
+    kernel = site.eqn.invars[1].aval.shape
+    window = [kernel[d] for d in rhs_spec[2:]]
+    total = jnp.einsum(
+        "b,bhsf->hsf", factors.astype(product.dtype), product, precision=lax.Precision.HIGHEST
+    )
+    groups, _, per_group = total.shape
+    total = total.reshape(groups, kernel[rhs_spec[1]], *window, per_group)
+    total = jnp.moveaxis(total, -1, 1).reshape(kernel[rhs_spec[0]], kernel[rhs_spec[1]], *window)
+    order = [rhs_spec.index(d) for d in range(len(kernel))]
+    return pull_back(site, t.leaves, [jnp.transpose(total, order)])
 
 
 def in_turn(items, step, carried):
