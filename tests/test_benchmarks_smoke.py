@@ -306,6 +306,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "output gradients unpinned",
         "Grams at HIGHEST",
         "convolutions' sums together",
+        "convolutions' products not formed",
         "scans' steps kept whole",
         "scans' products kept",
     ]
@@ -315,7 +316,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
     assert [r["way"] for r in rows] == ways
     runs = [  # (the model's arguments, the batch, the variants beside the non-private step)
         (("--mlp", "--pairs", "1"), 8, ["ghost", "norms one example at a time"]),
-        (("--convnet", "--memory"), 2, ["ghost", "convolutions' sums together"]),
+        (("--convnet", "--memory"), 2, ["ghost", "convolutions' products not formed"]),
         (("--recurrent", "jax-lstm", "--memory"), 2, ["ghost"]),
     ]
     for args, batch, variants in runs:
@@ -401,7 +402,8 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     variants = ["ghost", "norms at 1", "sums of 0", "tapped pass only", "Grams only"]
     variants += ["direct products"]
     variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
-    variants += ["Grams at HIGHEST", "convolutions' sums together", "scans' steps kept whole"]
+    variants += ["Grams at HIGHEST", "convolutions' sums together"]
+    variants += ["convolutions' products not formed", "scans' steps kept whole"]
     variants += ["scans' products kept"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios

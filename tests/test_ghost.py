@@ -763,14 +763,19 @@ def test_a_convolutions_product_is_formed_where_it_is_no_larger_than_its_output_
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
-def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(mode, monkeypatch):
-    """The norms one example at a time (forced: `_norms.LOOP_WORK`) on what the batched norms
-    handle: a padding example contributes nothing, a zero example has norm 0 and no NaN, a
-    NaN example is dropped with its norm NaN, and gradients whose squares overflow float32:
-    against float64, jitted and eager."""
+@pytest.mark.parametrize("formed", [True, False], ids=["products", "patches"])
+def test_convolutions_norms_in_turn_pad_drop_and_scale_as_the_batch_does(formed, mode, monkeypatch):
+    """Depthwise-separable blocks by their route, ``PRODUCT`` (each kernel's per-example
+    gradient formed over the batch), and with those products not formed (`patches`: the
+    norms one example at a time, forced by `_norms.LOOP_WORK`, and the sums in turn), on what
+    the batched norms handle: a padding example contributes nothing, a zero example has norm
+    0 and no NaN, a NaN example is dropped with its norm NaN, and gradients whose squares
+    overflow float32: against float64, jitted and eager."""
     from optclip.per_example.ghost import _norms
 
     monkeypatch.setattr(_norms, "LOOP_WORK", 0)
+    if not formed:
+        monkeypatch.setattr(_norms, "products", lambda plans, t: {})
     loss, params, x = separable(np.random.default_rng(39), 4, size=4, features=8)
     x = x.at[2].set(0.0)
     grads64 = gm.per_example_grads(loss, params, x)
