@@ -6,7 +6,8 @@ on the common path and on the paths taken for gradients whose squares overflow a
 dropped non-finite example, with the norms' Grams batched and one example at a time, with
 every parameter scaled by a number the loss computes (a view of each weight), and by one
 the step traces (an argument of the jitted step, passed to the loss unbatched); and
-convolutions (grouped, a kernel used twice, stacked under a scan). The transformer's common
+convolutions (grouped, a kernel used twice, stacked under a scan; kernels whose per-example
+gradients are formed, the ``PRODUCT`` route). The transformer's common
 path runs under every way of sharding, each of its other paths under the ways that meet it.
 Prints ``ok`` and the checks made.
 
@@ -40,6 +41,8 @@ def main():
         ("mlp", gm.mlp, AxisType.Explicit),
         # (kernels grouped, used twice, stacked under a scan: their sums written out on a CPU)
         ("conv", gm.conv_shared, AxisType.Auto),
+        # (kernels whose per-example gradients the tapped pass forms: the PRODUCT route)
+        ("product", gm.conv, AxisType.Auto),
         # (a GRU's state product reading pieces of its input product's tap, in a scan)
         ("gru", gm.gru, AxisType.Auto),
     )
@@ -54,7 +57,7 @@ def main():
         # path).
         huge = lambda p, x, loss=loss: loss(p, x) * 1e20  # noqa: E731
         variants = [("", loss, x, None), ("huge", huge, x, None)]
-        if name == "conv":  # (the common path only: each variant compiles for 20 s)
+        if name in ("conv", "product"):  # (the common path only: each variant compiles for 20 s)
             variants = [("", loss, x, None)]
         elif name not in (
             "tied",
@@ -67,7 +70,11 @@ def main():
                 jax.tree.map(lambda a: a * s, p), x
             )
             variants.append(("traced", traced, x, None))
-        if axis_type == AxisType.Auto and name not in ("conv", "gru"):  # the norms one example at a
+        if axis_type == AxisType.Auto and name not in (
+            "conv",
+            "product",
+            "gru",
+        ):  # one example at a
             variants.append(("looped", loss, x, None))  # time (a CPU's, for large Grams)
         if name == "transformer":  # every weight gathered whole in the loss, as FSDP code does
             whole = NamedSharding(mesh, PartitionSpec())

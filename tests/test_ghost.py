@@ -1988,6 +1988,7 @@ def test_a_batch_sharded_over_eight_devices(ghost_multidevice):
         assert f"transformer/Auto/held/{classic}" in done.stdout, done.stdout
     for conv in ("conv/Auto/spmd_axis_name", "conv/Auto/no mesh context"):
         assert conv in done.stdout, done.stdout
+        assert conv.replace("conv", "product") in done.stdout, done.stdout
     for gru in ("gru/Auto/spmd_axis_name", "gru/Auto/huge/spmd_axis_name"):
         assert gru in done.stdout, done.stdout
 
