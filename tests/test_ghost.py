@@ -712,15 +712,16 @@ def test_convolutions_norms_one_example_at_a_time_match_float64(
         assert set(formed_products) == {4} and sums and set(sums) == {4}, (formed_products, sums)
 
 
+@pytest.mark.parametrize("mode", ["jit", "eager"])
 def test_a_convolutions_product_is_formed_where_it_is_no_larger_than_its_output_gradient(
-    monkeypatch,
+    mode, monkeypatch
 ):
     """The ``PRODUCT`` route (`_plans.route`): a convolution outside scans whose per-example
     kernel gradient takes fewer multiply-adds than its Grams and is no larger than its output
     gradient has it formed in the tapped pass (`_norms.products`); not one whose input
     features times window exceed its positions, one in a scan, one scaled, nor a kernel used
     twice. Every model's norms and sums against float64, with an example at 1e-20 and one at
-    1e20 (their squares out of float32's range)."""
+    1e20 (their squares out of float32's range), jitted and eager."""
     from optclip.per_example.ghost import _norms
 
     formed: list = []
@@ -755,9 +756,8 @@ def test_a_convolutions_product_is_formed_where_it_is_no_larger_than_its_output_
         x[1] *= np.float32(1e-20)
         x[2] *= np.float32(1e20)
         formed.clear()
-        result = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True))(
-            params, jnp.asarray(x)
-        )
+        step = run(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True), mode)
+        result = step(params, jnp.asarray(x))
         assert formed == [want], (name, formed)
         check_against_grads(result, gm.per_example_grads(loss, params, jnp.asarray(x)), 1.0)
 

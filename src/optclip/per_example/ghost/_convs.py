@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
@@ -17,6 +18,28 @@ from optclip.per_example.ghost._factors import (
 )
 
 
+class Geometry(NamedTuple):
+    """A convolution's input padded (and `lhs_dilation`-dilated) over its last ``len(window)``
+    dimensions (`padded`), the output's spatial sizes (`out`), and each window offset's start
+    in the padded input (`starts`, in row-major order of the offsets)."""
+
+    padded: Any
+    out: list
+    starts: list
+
+
+def geometry(x, window, strides, padding, lhs_dilation, rhs_dilation) -> Geometry:
+    """`Geometry` of a convolution of `x` (its spatial dimensions last) by a `window`."""
+    lead = x.ndim - len(window)
+    spatial = ((lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True))
+    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * lead + list(spatial))
+    span = [(k - 1) * r + 1 for k, r in zip(window, rhs_dilation, strict=True)]
+    out = [max((n - w) // s + 1, 0) for n, w, s in zip(xp.shape[lead:], span, strides)]
+    offsets = itertools.product(*(range(k) for k in window))
+    starts = [[o * r for o, r in zip(at, rhs_dilation, strict=True)] for at in offsets]
+    return Geometry(xp, out, starts)
+
+
 def patches(x, axis: int, window, strides, padding, lhs_dilation, rhs_dilation):
     """Each output position's input patch of a convolution, from `x` whose last ``len(window)``
     dimensions are the spatial ones: ``x.shape[:-nd]`` with the window's offsets inserted at
@@ -24,18 +47,15 @@ def patches(x, axis: int, window, strides, padding, lhs_dilation, rhs_dilation):
     ``lax.conv_general_dilated_patches``. Slices of the padded (and `lhs_dilation`-dilated)
     input, one per offset: copies, where that function convolves with an identity kernel
     (the window's size in multiply-adds for every entry)."""
-    nd = len(window)
-    lead = x.ndim - nd
-    spatial_pads = ((lo, hi, d - 1) for (lo, hi), d in zip(padding, lhs_dilation, strict=True))
-    xp = lax.pad(x, jnp.zeros((), x.dtype), [(0, 0, 0)] * lead + list(spatial_pads))
-    span = [(k - 1) * r + 1 for k, r in zip(window, rhs_dilation, strict=True)]
-    out = [max((n - w) // s + 1, 0) for n, w, s in zip(xp.shape[lead:], span, strides)]
+    g = geometry(x, window, strides, padding, lhs_dilation, rhs_dilation)
+    lead = x.ndim - len(window)
+    steps = (1,) * lead + tuple(strides)
     slices = []
-    for offset in itertools.product(*(range(k) for k in window)):
-        start = [o * r if n else 0 for o, r, n in zip(offset, rhs_dilation, out, strict=True)]
-        limit = [a + (n - 1) * s + 1 if n else 0 for a, n, s in zip(start, out, strides)]
-        steps = (1,) * lead + tuple(strides)
-        slices.append(lax.slice(xp, (0,) * lead + tuple(start), (*xp.shape[:lead], *limit), steps))
+    for start in g.starts:
+        start = [a if n else 0 for a, n in zip(start, g.out, strict=True)]
+        limit = [a + (n - 1) * s + 1 if n else 0 for a, n, s in zip(start, g.out, strides)]
+        at, stop = (0,) * lead + tuple(start), (*g.padded.shape[:lead], *limit)
+        slices.append(lax.slice(g.padded, at, stop, steps))
     return jnp.stack(slices, axis=axis)
 
 
@@ -86,23 +106,23 @@ def conv_products(site, record, grad, acc):
     # (B, C, N, *spatial) and (B, O, N, *out spatial): features, images, positions
     order = lambda spec: (0, *(1 + d for d in (spec[1], spec[0], *spec[2:])))  # noqa: E731
     x, y = jnp.transpose(record, order(lhs_spec)), jnp.transpose(grad, order(out_spec))
-    b, c, o, out = x.shape[0], x.shape[1] // groups, y.shape[1] // groups, y.shape[3:]
-    dilated = ((lo, hi, d - 1) for (lo, hi), d in zip(p["padding"], p["lhs_dilation"]))
-    x = lax.pad(x.astype(acc), jnp.zeros((), acc), [(0, 0, 0)] * 3 + list(dilated))
+    b, c, o = x.shape[0], x.shape[1] // groups, y.shape[1] // groups
+    g = geometry(x.astype(acc), window, strides, p["padding"], p["lhs_dilation"], p["rhs_dilation"])
+    x, out = g.padded, g.out
     y = jnp.swapaxes(y.astype(acc).reshape(b, groups, o, -1), 2, 3)  # (B, G, K, f)
     span = [(n - 1) * s + 1 for n, s in zip(out, strides)]
-    offsets = list(itertools.product(*(range(k) for k in window)))
-    starts = jnp.asarray([[i * r for i, r in zip(at, p["rhs_dilation"])] for at in offsets])
+    starts = jnp.asarray(g.starts, jnp.int32).reshape(len(g.starts), len(window))
     precision = product_precision(p["precision"])
 
     def one(i, total):
         xs = lax.dynamic_slice(x, (0, 0, 0, *starts[i]), (*x.shape[:3], *span))
         xs = lax.slice(xs, (0,) * xs.ndim, xs.shape, (1, 1, 1, *strides))
         xs = xs.reshape(b, groups, c, -1)  # (B, G, c, K)
-        g = jnp.einsum("bgck,bgkf->bgcf", xs, y, precision=precision)
-        return lax.dynamic_update_index_in_dim(total, g, i, 3)
+        product = jnp.einsum("bgck,bgkf->bgcf", xs, y, precision=precision)
+        return lax.dynamic_update_index_in_dim(total, product, i, 3)
 
-    total = jnp.zeros((b, groups, c, len(offsets), o), acc)
-    if all(out) and offsets:
-        total = lax.fori_loop(0, len(offsets), one, total)
-    return total.reshape(b, groups, c * len(offsets), o)
+    w = len(g.starts)
+    total = jnp.zeros((b, groups, c, w, o), acc)
+    if all(out):
+        total = lax.fori_loop(0, w, one, total)
+    return total.reshape(b, groups, c * w, o)

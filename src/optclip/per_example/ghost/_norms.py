@@ -226,12 +226,17 @@ class Product(NamedTuple):
     flagged: jax.Array
 
 
-def route(plan, t: _interpret.Tapped, acc):
-    """A ghost leaf's `_plans.route`, from its factors' shapes (`jax.eval_shape`: nothing
-    formed)."""
+def _shapes(plans, t: _interpret.Tapped, acc) -> list:
+    """`joined_shapes` of each of `plans` (ghost leaves), traced by `jax.eval_shape`: no
+    factor is formed."""
     shapes: list = []
-    jax.eval_shape(lambda: shapes.extend(joined_shapes(plan, use_factors(plan, t, acc))))
-    return _plans.route(plan, shapes)
+    jax.eval_shape(lambda: shapes.extend(joined_shapes(p, use_factors(p, t, acc)) for p in plans))
+    return shapes
+
+
+def route(plan, t: _interpret.Tapped, acc):
+    """A ghost leaf's `_plans.route`, from its factors' shapes."""
+    return _plans.route(plan, _shapes([plan], t, acc)[0])
 
 
 def products(plans, t: _interpret.Tapped) -> dict:
@@ -276,15 +281,9 @@ def _terms(plans, t: _interpret.Tapped, acc):
 def _gram_work(plans, t, acc) -> int:
     """The multiply-adds of one example's Grams (every ghost use's own, ``L H K^2 (Sx +
     Sy)``; the ``PRODUCT`` leaves' none), from the shapes of its factors."""
-    shapes: list = []
-
-    def count():  # (shapes only: `jax.eval_shape` computes nothing)
-        for i, p in enumerate(plans):
-            if p.mode is Mode.GHOST and i not in t.products:
-                shapes.extend(joined_shapes(p, use_factors(p, t, acc)))
-
-    jax.eval_shape(count)
-    return sum(x[0] * x[2] * x[3] * x[3] * (x[4] + y[4]) for x, y in shapes)
+    ghost = [p for i, p in enumerate(plans) if p.mode is Mode.GHOST and i not in t.products]
+    uses = [use for shapes in _shapes(ghost, t, acc) for use in shapes]
+    return sum(x[0] * x[2] * x[3] * x[3] * (x[4] + y[4]) for x, y in uses)
 
 
 def norms(plans, t: _interpret.Tapped, target: Target) -> jax.Array:
