@@ -1282,6 +1282,12 @@ def test_dense_layers_are_ghost_never_batch_by_weight(length):
 DENSE = {  # (weight shape, input shape of one example, the per-example product)
     "x @ w": ((4, 5), (1, 3, 4), lambda w, x: x @ w),
     "w first": ((5, 4), (1, 3, 4), lambda w, x: lax.dot_general(w, x, (([1], [2]), ([], [])))),
+    "x @ w, narrowing": ((5, 4), (1, 3, 5), lambda w, x: x @ w),
+    "w first, narrowing": (
+        (4, 5),
+        (1, 3, 5),
+        lambda w, x: lax.dot_general(w, x, (([1], [2]), ([], []))),
+    ),
     "heads": ((2, 2, 5), (1, 3, 2, 2), lambda w, x: jnp.einsum("bthc,hco->hbto", x, w)),
     "heads, w first": (
         (2, 5, 2),
@@ -1319,6 +1325,28 @@ def test_every_arrangement_of_a_dense_layer(name, mode):
     loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"], x)))  # noqa: E731
     assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
     check_against_reference(loss, params, x, 1.0, mode=mode)
+
+
+# (the fast tier's case first: one XLA would be given the slower orientation)
+@pytest.mark.parametrize("name", ["x @ w, narrowing", "w first, narrowing", "x @ w", "w first"])
+def test_a_dense_sum_is_taken_with_its_larger_side_last(name):
+    """`_products._larger_last`: the clipped sum's product comes out with the larger of the
+    weight's two sides last (XLA's CPU runtime contracts two operands over their rows faster
+    so), then is transposed into the weight's order where that differs; with fewer rows
+    (examples and positions) than a side, in the weight's order (no copy of the weight's
+    size). The sum is the reference's either way."""
+    w_shape, x_shape, product = DENSE[name]
+    rng = np.random.default_rng(3)
+    params = {"w": jnp.asarray(rng.normal(size=w_shape), jnp.float32)}
+    loss = lambda p, x: jnp.sum(jnp.sin(product(p["w"], x)))  # noqa: E731
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    for batch, seq, oriented in ((6, 3, (4, 5)), (2, 1, w_shape)):  # (18 rows, then 2)
+        x = jnp.asarray(rng.normal(size=(batch, *x_shape[1:])), jnp.float32)[:, :seq]
+        jaxpr = jax.make_jaxpr(g)(params, x).jaxpr
+        products = [e for e in equations(jaxpr) if e.primitive.name == "dot_general"]
+        shapes = [e.outvars[0].aval.shape for e in products]
+        assert oriented in shapes and oriented[::-1] not in shapes, (batch, shapes)
+        check_against_reference(loss, params, x, 1.0)
 
 
 # (the fast tier's case first: a weight on the left, which the CPU could not run)

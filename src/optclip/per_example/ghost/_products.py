@@ -30,11 +30,11 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     laid out ``(*levels, B, ...)``, the levels at which the view is the same at every step
     merged into the examples: `_sums._constants_merged`): one `dot_general` contracting the
     examples and the other operand's free dimensions (merged into one where they are
-    adjacent, as ``(B*T, C)``), its output in the view's order where the view is the right
-    operand (``x @ W``: no transpose). The VJP of the batched equation gives the same
-    numbers, but puts the output gradient first and transposes the product after it, which
-    XLA on the CPU runs more slowly. A float16 or bfloat16 view's product comes out in
-    float32 (its layers are added there)."""
+    adjacent, as ``(B*T, C)``), its operands in the order `_larger_last` picks, then
+    transposed into the view's order where that differs. The VJP of the batched equation
+    gives the same numbers, but always puts the output gradient first and lets XLA fold its
+    transpose into the product. A float16 or bfloat16 view's product comes out in float32
+    (its layers are added there)."""
     eqn, pos = site.eqn, site.views[0][0]
     o_batch, o_free, o_contract, out_o, _ = _factors.dense_dims(eqn, pos)
     v_contract, v_batch, v_free = _view_dims(eqn, pos)
@@ -49,10 +49,13 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
     if _adjacent(r_sum) and _adjacent(c_sum):
         record, r_sum, r_batch = _merged(record, r_sum, r_batch)
         cotangent, c_sum, c_batch = _merged(cotangent, c_sum, c_batch)
-    # the product's dimensions as the view's: levels, heads, contracted (in the record's
-    # order), the view's free ones
-    order = [*v_batch, *(v_contract[list(o_contract).index(d)] for d in sorted(o_contract))]
-    order += v_free
+    # the product's dimensions as the view's: levels, heads, then the record's side (the
+    # view's contracted dimensions, in the record's order) and the output gradient's (the
+    # view's free ones), the larger side last (`_larger_last`)
+    r_side = [v_contract[list(o_contract).index(d)] for d in sorted(o_contract)]
+    rows = math.prod(record.shape[d] for d in r_sum)
+    swap = _larger_last(value, depth, r_side, v_free, rows)
+    order = [*v_batch, *(v_free + r_side if swap else r_side + v_free)]
     sharding = jax.typeof(value).sharding
     if sharding.mesh.empty or jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types:
         out_sharding = None  # (automatic sharding: XLA's to choose, with or without a mesh set)
@@ -60,9 +63,11 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
         spec = [*sharding.spec, *([None] * value.ndim)][: value.ndim]
         out_sharding = jax.sharding.PartitionSpec(*spec[:depth], *(spec[depth + d] for d in order))
     work = _clips._work_dtype(value.dtype)
+    left, right = (record, r_sum, r_batch), (cotangent, c_sum, c_batch)
+    left, right = (right, left) if swap else (left, right)
     product = functools.partial(
         lax.dot_general,
-        dimension_numbers=((r_sum, c_sum), (r_batch, c_batch)),
+        dimension_numbers=((left[1], right[1]), (left[2], right[2])),
         precision=eqn.params["precision"],
         preferred_element_type=work
         if work != value.dtype
@@ -76,13 +81,30 @@ def dense_view_sum(site, value, record, cotangent, target: Target, depth: int):
         # F32"); where it has one, it converts both operands to float32 first. So a CPU gets
         # the operands in float32 (the same numbers).
         upcast = lambda a, b: product(a.astype(work), b.astype(work))  # noqa: E731
-        out = upcast(record, cotangent) if target.cpu else product(record, cotangent)
+        out = upcast(left[0], right[0]) if target.cpu else product(left[0], right[0])
     else:
-        out = product(record, cotangent)
+        out = product(left[0], right[0])
     perm = (*levels, *(depth + order.index(d) for d in range(value.ndim - depth)))
     if perm != tuple(range(value.ndim)):
-        out = jnp.transpose(out, perm)
+        # (the barrier keeps XLA from folding the transpose into the product, which would
+        # give it the other orientation)
+        out = jnp.transpose(lax.optimization_barrier(out), perm)
     return out.astype(work)
+
+
+def _larger_last(value, depth: int, r_side: list, c_side: list, rows: int) -> bool:
+    """Whether a dense view's sum is taken with the output gradient's side first (its side
+    the view's dimensions `c_side`, the record's `r_side`; `rows` contracted). XLA on a CPU
+    contracts two row-major operands over their rows up to several times faster when the
+    product's last dimension is the larger side; the product is then transposed into the
+    view's order, a copy of the view's size. That copy is made only where each operand is at
+    least the view's size (`rows` no fewer than either side); elsewhere, and where the sides
+    are equal, the product comes out in the view's order."""
+    size = lambda dims: math.prod(value.shape[depth + d] for d in dims)  # noqa: E731
+    r_size, c_size = size(r_side), size(c_side)
+    if r_size != c_size and rows >= max(r_size, c_size):
+        return r_size > c_size
+    return bool(c_side) and bool(r_side) and min(c_side) < min(r_side)
 
 
 def _view_dims(eqn, pos: int):
