@@ -20,6 +20,8 @@ process) on the models users write with Equinox, Flax and plain JAX, with random
   cross-entropy.
 * ``flax-lstm``: Flax Linen's ``nn.RNN(nn.LSTMCell(128))`` (32 input features, its gates a
   ``Dense`` each), its last output into a ``Dense`` head to 10 classes.
+* ``flax-gru``: the same with ``nn.GRUCell(128)`` (its gates a ``Dense`` each, the state's
+  candidate gate with a bias of its own inside the reset gate's product).
 * ``jax-lstm``: ``eqx-lstm-lm`` in plain JAX, its LSTM written by hand with one fused gate
   weight (and bias) split into the 4 gates' with ``jnp.split`` at every step, as dm-haiku's
   ``hk.GRU`` splits its weights.
@@ -68,7 +70,15 @@ from private import (  # noqa: E402
     where,
 )
 
-MODELS = ["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "hk-deeprnn", "eqx-convnet"]
+MODELS = [
+    "eqx-gru",
+    "eqx-lstm-lm",
+    "flax-lstm",
+    "flax-gru",
+    "jax-lstm",
+    "hk-deeprnn",
+    "eqx-convnet",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,15 +198,15 @@ class GroupNormConvNet(eqx.Module):
         return self.head(jnp.mean(h, axis=(1, 2)))
 
 
-def flax_lstm(shape: Shape, key):
-    """``(loss, params)``: Linen's ``nn.RNN(nn.LSTMCell)`` classifier, applied to the batch
-    as it is (Linen's layers take a batch axis)."""
+def flax_rnn(shape: Shape, key, cell: str = "LSTMCell"):
+    """``(loss, params)``: Linen's ``nn.RNN`` classifier of ``nn.LSTMCell`` or ``nn.GRUCell``
+    (`cell`), applied to the batch as it is (Linen's layers take a batch axis)."""
     import flax.linen as nn
 
     class Classifier(nn.Module):
         @nn.compact
         def __call__(self, x):  # (batch, T, features) -> (batch, classes)
-            h = nn.RNN(nn.LSTMCell(shape.hidden))(x)
+            h = nn.RNN(getattr(nn, cell)(shape.hidden))(x)
             return nn.Dense(shape.classes)(h[:, -1])
 
     model = Classifier()
@@ -281,7 +291,8 @@ def setups(shape: Shape) -> dict:
             *equinox_loss(LSTMLanguageModel(shape, key), split_tokens=True),
             lambda b: tokens(shape, b),
         ),
-        "flax-lstm": (*flax_lstm(shape, key), lambda b: features(shape, b)),
+        "flax-lstm": (*flax_rnn(shape, key), lambda b: features(shape, b)),
+        "flax-gru": (*flax_rnn(shape, key, "GRUCell"), lambda b: features(shape, b)),
         "jax-lstm": (*jax_lstm(shape), lambda b: tokens(shape, b)),
         "hk-deeprnn": (*haiku_deeprnn(shape, key), lambda b: tokens(shape, b)),
         "eqx-convnet": (*equinox_loss(GroupNormConvNet(shape, key)), lambda b: images(shape, b)),

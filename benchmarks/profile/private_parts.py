@@ -469,7 +469,15 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument(
         "--recurrent",
-        choices=["eqx-gru", "eqx-lstm-lm", "flax-lstm", "jax-lstm", "hk-deeprnn", "eqx-convnet"],
+        choices=[
+            "eqx-gru",
+            "eqx-lstm-lm",
+            "flax-lstm",
+            "flax-gru",
+            "jax-lstm",
+            "hk-deeprnn",
+            "eqx-convnet",
+        ],
         default=None,
         help="a model of benchmarks/recurrent.py in place of the transformer",
     )
