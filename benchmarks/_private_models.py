@@ -26,6 +26,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# The models of benchmarks/recurrent.py, by name (here, where tools that build their own
+# parsers read them without importing Equinox).
+RECURRENT_MODELS = (
+    "eqx-gru",
+    "eqx-lstm-lm",
+    "flax-lstm",
+    "flax-gru",
+    "jax-lstm",
+    "hk-deeprnn",
+    "eqx-convnet",
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class TransformerShape:

@@ -70,15 +70,7 @@ from private import (  # noqa: E402
     where,
 )
 
-MODELS = [
-    "eqx-gru",
-    "eqx-lstm-lm",
-    "flax-lstm",
-    "flax-gru",
-    "jax-lstm",
-    "hk-deeprnn",
-    "eqx-convnet",
-]
+MODELS = list(_private_models.RECURRENT_MODELS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -233,6 +233,23 @@ def test_the_recurrent_benchmark_measures_the_ghost_step_beside_the_non_private_
     assert "| eqx-gru, 16 | " in table and "| 3 (522 params) | .cell.bias: " in table, table
 
 
+def test_every_recurrent_model_is_set_up_and_its_weights_go_ghost():
+    """benchmarks/recurrent.py's models (its `MODELS`, which `private_parts.py --recurrent`
+    offers too) are each set up by `setups`, and `ghost_report` keeps every weight of more
+    than one dimension of more than one entry ghost (only biases and GroupNorm scales are
+    materialised)."""
+    bench = load("recurrent.py")
+    shape = bench.Shape(seq=4, hidden=8, features=4, vocab=16, width=8, size=8, channels=8)
+    setups = bench.setups(shape)
+    assert list(setups) == bench.MODELS
+    for name, (loss, params, batch_of) in setups.items():
+        report = optclip.ghost_report(loss, params, batch_of(2))
+        leaves = jax.tree.leaves(params)
+        for (path, r), leaf in zip(report.items(), leaves, strict=True):
+            vector = sum(n > 1 for n in leaf.shape) < 2  # (a bias, a scale: (C, 1, 1) too)
+            assert vector or r.mode == "ghost", (name, path, r)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["frozen", "scaled", "tied", "traced"])
 def test_the_frozen_embedding_benchmark_sizes_every_method(tmp_path, model):

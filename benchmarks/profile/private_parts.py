@@ -469,15 +469,7 @@ def main(argv=None) -> list[dict]:
     )
     parser.add_argument(
         "--recurrent",
-        choices=[
-            "eqx-gru",
-            "eqx-lstm-lm",
-            "flax-lstm",
-            "flax-gru",
-            "jax-lstm",
-            "hk-deeprnn",
-            "eqx-convnet",
-        ],
+        choices=models.RECURRENT_MODELS,
         default=None,
         help="a model of benchmarks/recurrent.py in place of the transformer",
     )
