@@ -99,7 +99,8 @@ def _larger_last(value, depth: int, r_side: list, c_side: list, rows: int) -> bo
     product's last dimension is the larger side; the product is then transposed into the
     view's order, a copy of the view's size. That copy is made only where each operand is at
     least the view's size (`rows` no fewer than either side); elsewhere, and where the sides
-    are equal, the product comes out in the view's order."""
+    are equal, the product comes out in the view's order. The choice is the same on every
+    platform (no platform's branch to trace); on an accelerator it costs that copy alone."""
     size = lambda dims: math.prod(value.shape[depth + d] for d in dims)  # noqa: E731
     r_size, c_size = size(r_side), size(c_side)
     if r_size != c_size and rows >= max(r_size, c_size):
