@@ -464,6 +464,18 @@ def test_a_scans_step_keeps_the_products_of_the_functions_it_calls(monkeypatch):
     assert work(_interpret.SCAN_SAVES) == work(jax.checkpoint_policies.everything_saveable)
 
 
+@pytest.mark.parametrize("name", ["equinox GRUCell", "flax nn.RNN(LSTMCell)"])
+def test_a_record_that_is_a_scans_input_is_not_stacked_again(name):
+    """A site's record that is a step's slice of the scan's ``xs`` (a cell's input) is that
+    ``xs`` (`_interpret._scan`), not a stack the scan writes: no scan in the step outputs an
+    array of every example's and step's inputs. The numbers are checked above."""
+    loss, params, x, _ = built(name)
+    step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    eqns = equations(jax.make_jaxpr(step)(params, x).jaxpr)
+    outputs = [v.aval for e in eqns if e.primitive.name == "scan" for v in e.outvars]
+    assert not [a for a in outputs if a.size == B * T * F and F in a.shape], outputs
+
+
 def _concatenated_gradients(loss, params, x) -> list:
     """The concatenations in `clipped_grad`'s step as large as two gates' output gradients of
     every example and step (a state product's output gradient joined from its parts)."""

@@ -104,9 +104,7 @@ def _located(eqn):
 def bind(eqn, invals):
     """The outputs of `eqn` on `invals`, always as a list."""
     params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: tuple = ()
-    if isinstance(params, tuple):  # (older JAX: subfunctions first)
-        subfuns, params = params
+    subfuns, params = params if isinstance(params, tuple) else ((), params)  # (older JAX)
     ctx = getattr(getattr(eqn, "ctx", None), "manager", None)
     with contextlib.nullcontext() if ctx is None else ctx, _located(eqn):
         out = eqn.primitive.bind(*subfuns, *invals, **params)
@@ -125,8 +123,7 @@ def exponents_of(x, axis: int, sliced: tuple | None = None):
     examples, as the tapped pass stacks records and output gradients), the exponent ``e`` of
     the power of two near that slice's largest magnitude (``2**(e-1) <= max|x| < 2**e``,
     int32): `_factors.ZERO_EXPONENT` for a slice that is 0, `FLAG` for one with an entry not
-    finite; 0 for an `x` not floating. One reduction, no copy of `x` (`_largest_magnitudes`:
-    XLA's CPU reduction over ``(..., S, 1)`` runs several times slower than over ``(..., S)``).
+    finite; 0 for an `x` not floating. One reduction, no copy of `x` (`_largest_magnitudes`).
 
     `sliced` (one per level, the first `axis` dimensions; None: all): the levels whose slices
     get their own exponent. The others (a weight applied at every step of its scan, whose
@@ -169,9 +166,8 @@ def _flagged_exponent(m):
 def scaled(x, e):
     """`x` divided by ``2**e`` (its largest magnitude in [0.5, 1) for the `e` of
     `exponent_of`), zeros where `e` is `FLAG`; `e` holds one exponent per leading index of
-    `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. The
-    records and output gradients are kept as they are, and scaled only after the backward pass
-    (not beside it): no product of them the norms and sums form overflows or flushes."""
+    `x` (per example, and per layer of a scan). Exact: a power of two divides exactly. Then
+    no product of the outputs in the norms and sums overflows or flushes."""
     if not jnp.issubdtype(x.dtype, jnp.floating) or not x.size:
         return x
     e = jnp.reshape(e, jnp.shape(e) + (1,) * (x.ndim - jnp.ndim(e)))
@@ -350,20 +346,24 @@ SCAN_SAVES = jax.checkpoint_policies.save_only_these_names(KEPT)
 
 def _scan(eqn, subplan, invals, taps, records, placed):
     """A `scan` with sites in its body: the body evaluated by `run`, the taps of its sites
-    sliced along the scan like its ``xs`` and the records stacked like its ``ys``. The step
-    is rematerialised but for its `KEPT` values (`SCAN_SAVES`): beside every step's records
-    and output gradients, the backward pass computes its gates and activations again."""
+    sliced along the scan like its ``xs`` and the records stacked like its ``ys`` (a record
+    that is a step's slice of an ``xs`` is that ``xs``, not stacked again). The step is
+    rematerialised but for its `KEPT` values (`SCAN_SAVES`): beside every step's records and
+    output gradients, the backward pass computes its gates and activations again."""
     params = eqn.params
     body = params["jaxpr"]
     consts, carry = _jaxprs.scan_counts(eqn)
     ids = [site.id for site in subplan.all_sites() if site.id in taps]
+    sliced: dict = {}  # {record key: the index of the xs it is a step's slice of}
 
     def step(state, x):
         xs, step_taps = x
         step_records: dict = {}
         args = [*invals[:consts], *state, *xs]
         outs = run(body.jaxpr, body.consts, args, subplan, step_taps, step_records, placed)
-        return outs[:carry], (outs[carry:], step_records)
+        sliced.update({k: j for k, r in step_records.items() for j, s in enumerate(xs) if s is r})
+        stacked = {k: r for k, r in step_records.items() if k not in sliced}
+        return outs[:carry], (outs[carry:], stacked)
 
     state, (ys, scan_records) = lax.scan(
         jax.checkpoint(step, prevent_cse=False, policy=SCAN_SAVES),
@@ -374,6 +374,7 @@ def _scan(eqn, subplan, invals, taps, records, placed):
         unroll=params["unroll"],
     )
     records.update(scan_records)
+    records.update({key: invals[consts + carry + j] for key, j in sliced.items()})
     return [*state, *ys]
 
 
