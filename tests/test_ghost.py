@@ -1327,6 +1327,32 @@ def test_every_arrangement_of_a_dense_layer(name, mode):
     check_against_reference(loss, params, x, 1.0, mode=mode)
 
 
+@pytest.mark.parametrize("reverse", [True, False], ids=["reversed", "forward"])
+def test_a_scanned_cells_input_is_its_records_in_either_direction(reverse, mode):
+    """A weight reading a scan's ``xs`` (a cell's input, `_interpret._scan` takes the ``xs``
+    as the record, not a stack of its steps) in a scan run backwards (a bidirectional RNN's
+    second half) or forwards, unrolled by 2, its steps' outputs all read: the norms and sums
+    against the float64 reference, with an example at 1e20 and one at 1e-20."""
+    rng = np.random.default_rng(5)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(3, 4)) / 2, jnp.float32),
+        "u": jnp.asarray(rng.normal(size=(4, 4)) / 2, jnp.float32),
+    }
+
+    def loss(p, x):  # x: (1, T, 3)
+        def step(h, x_t):
+            h = jnp.tanh(x_t @ p["w"] + h @ p["u"])
+            return h, h
+
+        _, hs = lax.scan(step, jnp.zeros((1, 4)), jnp.swapaxes(x, 0, 1), reverse=reverse, unroll=2)
+        return jnp.sum(jnp.sin(hs) + hs * jnp.arange(hs.shape[0])[:, None, None])
+
+    x = rng.normal(size=(4, 5, 3)) * np.array([1, 1e20, 1e-20, 1])[:, None, None]
+    x = jnp.asarray(x, jnp.float32)
+    assert optclip.ghost_report(loss, params, x)["['w']"].mode == "ghost"
+    check_against_reference(loss, params, x, 1.0, mode=mode)
+
+
 # (the fast tier's case first: one XLA would be given the slower orientation)
 @pytest.mark.parametrize("name", ["x @ w, narrowing", "w first, narrowing", "x @ w", "w first"])
 def test_a_dense_sum_is_taken_with_its_larger_side_last(name):
