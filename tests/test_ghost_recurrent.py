@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend import core as jcore
 from reference import equations, load_benchmark, run
 
 import optclip
@@ -474,6 +475,65 @@ def test_a_record_that_is_a_scans_input_is_not_stacked_again(name):
     eqns = equations(jax.make_jaxpr(step)(params, x).jaxpr)
     outputs = [v.aval for e in eqns if e.primitive.name == "scan" for v in e.outvars]
     assert not [a for a in outputs if a.size == B * T * F and F in a.shape], outputs
+
+
+def _repeated_stacks(jaxpr) -> list:
+    """The stacked outputs of `jaxpr`'s scans that their body writes from a variable it
+    already writes to another stacked output."""
+    found = []
+    for e in equations(jaxpr):
+        if e.primitive.name == "scan":
+            ys = e.params["jaxpr"].jaxpr.outvars[e.params["num_carry"] :]
+            variables = [v for v in ys if isinstance(v, jcore.Var)]
+            found += [v.aval for i, v in enumerate(variables) if v in variables[:i]]
+    return found
+
+
+@pytest.mark.parametrize(
+    "name", ["equinox GRUCell", "flax nn.RNN(GRUCell)", "haiku DeepRNN(LSTM, GRU)"]
+)
+def test_a_state_both_recorded_and_kept_for_the_backward_pass_is_stacked_once(name, monkeypatch):
+    """A GRU's state ``h_{t-1}`` is a site's record (``W_hh h``) and a value its backward pass
+    reads (the update gate mixes it in): the forward scan wrote it to two stacks, one as the
+    record and one as JAX's residual. `_repeats.merged` keeps one, and no scan in the step
+    writes a variable twice. The numbers are checked above."""
+    from optclip.per_example.ghost import _repeats
+
+    loss, params, x, _ = built(name)
+    step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    assert _repeated_stacks(jax.make_jaxpr(step)(params, x).jaxpr) == []
+    monkeypatch.setattr(_repeats, "merged", lambda f: f)
+    step = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    assert _repeated_stacks(jax.make_jaxpr(step)(params, x).jaxpr) != []
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scans_repeated_stacks_are_read_as_one(reverse):
+    """`_repeats.without_repeats` on a scan that stacks its carry three times (two of them
+    read after it, one a residual of its gradient): the same values and gradients, one stack."""
+    from optclip.per_example.ghost import _repeats
+
+    def f(w, xs):
+        def step(c, x):
+            h = jnp.tanh(c * w + x)
+            return h, (c, h * c, c, c)
+
+        _, (a, b, c, d) = jax.lax.scan(step, jnp.ones(3), xs, reverse=reverse)
+        return jnp.sum(a * 2.0 + b) - jnp.sum(c) ** 2 + 0 * jnp.sum(d)
+
+    w, xs = jnp.float32(0.7), jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(4, 3)
+    g = jax.value_and_grad(f, argnums=(0, 1))
+    closed = jax.make_jaxpr(g)(w, xs)
+    merged = _repeats.without_repeats(closed.jaxpr)
+    assert _repeated_stacks(closed.jaxpr) != []
+    assert _repeated_stacks(merged) == []
+    want = jax.jit(g)(w, xs)
+    got = jax.jit(_repeats.merged(g))(w, xs)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ref = jax.core.eval_jaxpr(merged, closed.consts, w, xs)
+    for a, b in zip(ref, jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 def _concatenated_gradients(loss, params, x) -> list:

@@ -57,6 +57,7 @@ LAYERS = [
     ["per_example.ghost._args"],  # `clipped_grad`'s arguments (jax_privacy's conventions)
     ["per_example.ghost._batch"],  # a call's settings, flat leaves, the examples' factors
     ["per_example.ghost._jaxprs"],  # reading the loss's jaxpr: calls, scans, gradient flow
+    ["per_example.ghost._repeats"],  # the tapped pass with the stacks its scans write twice once
     ["per_example.ghost._views"],  # views of a parameter: shape-only operations, scalings
     ["per_example.ghost._target"],  # the platform a step is lowered for, decided once per step
     ["per_example.ghost._sites"],  # a use of a parameter: its kind and layout

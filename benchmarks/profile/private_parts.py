@@ -53,14 +53,17 @@ side by side in one process (interleaved medians, ratios to the non-private step
   On a model with no scan, the same step as ``ghost``;
 * ``scans' products kept``: a scan's step keeps every product's output (JAX's
   ``dots_saveable`` as `_interpret.SCAN_SAVES`), the tapped sites' included, and computes the
-  rest again. On a model with no scan, the same step as ``ghost``.
+  rest again. On a model with no scan, the same step as ``ghost``;
+* ``scans' repeated stacks kept``: the tapped pass as JAX's partial evaluation writes it, a
+  scan's value that is both a site's record and a residual of its backward pass stacked twice
+  (`_repeats.merged` as the identity; a GRU's state). On a model where no scan writes a value
+  twice, the same step as ``ghost``.
 
 The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
 `_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
-`_factors.product_precision`, `_sums.in_turn`, `_norms.products`, `_interpret.SCAN_SAVES`) while
-each step is
-traced; each variant's norms are checked to be what it says (1 where the norms are
-replaced). A diagnostic, not a contract.
+`_factors.product_precision`, `_sums.in_turn`, `_norms.products`, `_interpret.SCAN_SAVES`,
+`_repeats.merged`) while each step is traced; each variant's norms are checked to be what it
+says (1 where the norms are replaced). A diagnostic, not a contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -141,6 +144,7 @@ from optclip.per_example.ghost import (  # noqa: E402
     _norms,
     _plans,
     _products,
+    _repeats,
     _sums,
 )
 from optclip.per_example.ghost._target import Target  # noqa: E402
@@ -187,6 +191,7 @@ VARIANTS = {
     "convolutions' products not formed": {"products": lambda plans, t: {}},
     "scans' steps kept whole": {"SCAN_SAVES": jax.checkpoint_policies.everything_saveable},
     "scans' products kept": {"SCAN_SAVES": jax.checkpoint_policies.dots_saveable},
+    "scans' repeated stacks kept": {"merged": lambda f: f},
 }
 _MODULES = {
     "norms": _norms,
@@ -198,6 +203,7 @@ _MODULES = {
     "in_turn": _sums,
     "products": _norms,
     "SCAN_SAVES": _interpret,
+    "merged": _repeats,
 }
 
 

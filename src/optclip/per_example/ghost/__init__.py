@@ -11,7 +11,9 @@ a step runs it:
 3. `_interpret` evaluates the loss with taps at the ghost sites: one forward and one backward
    pass give every site's records and output gradients (`_passes.tapped_pass`). The taps sit
    on variables (`_shared`): one tap serves every site whose output gradient it gives
-   (products added, split into gates or transposed before they meet).
+   (products added, split into gates or transposed before they meet). Where a scan would
+   stack one value twice (a site's record that its backward pass also keeps), `_repeats`
+   keeps one stack.
 4. `_norms` computes each example's norm from them (`_factors`: the Grams), `_sums` the clipped
    sum by book-keeping (`_products`: the written products); `_passes.finish` puts them
    together for the platform the step is lowered for (`_target`: decided once per step).

@@ -18,6 +18,7 @@ from optclip.per_example.ghost import (
     _norms,
     _pieces,
     _plans,
+    _repeats,
     _shared,
     _sums,
     _target,
@@ -80,7 +81,10 @@ def tapped_pass(one, flat: Flat, s: Settings):
         outs, records = mapped(flat.leaves, taps, deltas)
         return jnp.sum(outs[0]), (outs, records)
 
-    (grads, example_grads), (outs, records) = jax.grad(total, (0, 1), has_aux=True)(taps, deltas)
+    passes = jax.grad(total, (0, 1), has_aux=True)
+    if any(site.depth for site in sites.values()):  # (a site in a scan: records it stacks)
+        passes = _repeats.merged(passes)
+    (grads, example_grads), (outs, records) = passes(taps, deltas)
 
     grads = _pieces.scaled_gradients(sites, placed, grads)
     # (a level is sliced for a record where it is for one of the sites that read it)
