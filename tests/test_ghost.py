@@ -1167,15 +1167,16 @@ def shapes_in(jaxpr):
 
 def grams_in(jaxpr):
     """``(precision, operand shapes)`` of every per-example Gram (or direct product) of the
-    norms in a jaxpr and the jaxprs inside it: the `dot_general`s of two ``(L, B, H, K, S)``
-    factors, batched over ``(L, B, H)``."""
+    norms in a jaxpr and the jaxprs inside it: the `dot_general`s that `_factors.gram` and
+    `_factors.self_term` write (two ``(L, B, H, K, S)`` factors batched over ``(L, B, H)``, a
+    Gram's layers and heads of size 1 left out), by the frames of their equations."""
     out = []
     for eqn in equations(jaxpr):
-        if eqn.primitive.name == "dot_general":
+        frames = eqn.source_info.traceback.frames
+        written = {f.function_name for f in frames if f.file_name.endswith("ghost/_factors.py")}
+        if eqn.primitive.name == "dot_general" and written & {"gram", "self_term"}:
             shapes = tuple(v.aval.shape for v in eqn.invars)
-            _, batch = eqn.params["dimension_numbers"]
-            if tuple(map(tuple, batch)) == ((0, 1, 2), (0, 1, 2)) and len(shapes[0]) == 5:
-                out.append((eqn.params["precision"], shapes))
+            out.append((eqn.params["precision"], shapes))
     return out
 
 

@@ -294,8 +294,16 @@ def gram(a: Factor, b: Factor, acc):
     """``(L, B, H, Ka, Kb)``: the inner products of every row of `a` with every row of `b`."""
     if a.values is not None and b.values is not None:
         precision = higher(a.precision, b.precision)
-        spec = f"{a.subscripts('k', 's')},{b.subscripts('j', 's')}->lbhkj"
-        return jnp.einsum(spec, a.values, b.values, precision=precision)
+        # (the layers and heads of size 1 left out of the product: XLA on a CPU lays out a
+        # batched product's output with them in an order of its own, then copies it back)
+        drop = tuple(d for d in (0, 2) if a.values.shape[d] == 1 == b.values.shape[d])
+        x, y = jnp.squeeze(a.values, drop), jnp.squeeze(b.values, drop)
+        n = 3 - len(drop)  # (the batch dimensions left: the examples, and layers or heads)
+        features = [n if f.rows_last else n + 1 for f in (a, b)]
+        batch = tuple(range(n))
+        dims = (([features[0]], [features[1]]), (batch, batch))
+        g = lax.dot_general(x, y, dims, precision=precision, preferred_element_type=acc)
+        return jnp.expand_dims(g, drop)
     if a.values is None and b.values is None:
         return (a.ids[..., :, None] == b.ids[..., None, :]).astype(acc)
     if a.values is None:
