@@ -302,7 +302,7 @@ def gram(a: Factor, b: Factor, acc):
         features = [n if f.rows_last else n + 1 for f in (a, b)]
         batch = tuple(range(n))
         dims = (([features[0]], [features[1]]), (batch, batch))
-        g = lax.dot_general(x, y, dims, precision=precision, preferred_element_type=acc)
+        g = lax.dot_general(x, y, dims, precision=precision)
         return jnp.expand_dims(g, drop)
     if a.values is None and b.values is None:
         return (a.ids[..., :, None] == b.ids[..., None, :]).astype(acc)
