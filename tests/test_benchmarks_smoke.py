@@ -326,6 +326,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "convolutions' products not formed",
         "scans' steps kept whole",
         "scans' products kept",
+        "scans' repeated stacks kept",
     ]
     assert all(r["time_s"] > 0 for r in rows) and all("time_ratio" in r for r in rows[1:])
     rows = run_private(tmp_path, "--quick", "--grams", script="profile/private_parts.py")
@@ -421,7 +422,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
     variants += ["Grams at HIGHEST", "convolutions' sums together"]
     variants += ["convolutions' products not formed", "scans' steps kept whole"]
-    variants += ["scans' products kept"]
+    variants += ["scans' products kept", "scans' repeated stacks kept"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]
     assert 1.0 <= ratios["norms at 1"] < 1.01, ratios
     forced = ("Grams only", "direct products")  # (other products than the route chosen)
