@@ -1230,6 +1230,34 @@ def test_grams_follow_a_precision_written_in_the_model(written, expected):
     assert grams and {p for p, _ in grams} == {expected}
 
 
+def test_a_grams_layers_and_heads_of_size_1_are_left_out_of_its_product():
+    """`_factors.gram`: a Gram of a layer outside scans with one head is a product batched over
+    the examples alone (``(B, K, S)`` operands); one of stacked layers keeps its layers
+    (``(L, B, K, S)``). XLA on a CPU copied the output of a product batched over ``(1, B,
+    1)``. The norms and sums against the float64 reference."""
+    rng = np.random.default_rng(11)
+    w = jnp.asarray(rng.normal(size=(13, 11)), jnp.float32)
+    x = jnp.asarray(rng.normal(size=(3, 5, 13)), jnp.float32)
+    loss = lambda w, x: jnp.sum(jnp.tanh(x @ w) ** 2)  # noqa: E731 (5 rows: the Gram route)
+    g = optclip.clipped_grad(loss, l2_clip_norm=1.0)
+    grams = grams_in(jax.make_jaxpr(g)(w, x).jaxpr)
+    assert grams and {shapes for _, shapes in grams} == {
+        ((3, 5, 13), (3, 5, 13)),
+        ((3, 5, 11), (3, 5, 11)),
+    }
+    check_against_reference(loss, w, x, 1.0)
+    ws = jnp.asarray(rng.normal(size=(4, 13, 13)) / 4, jnp.float32)
+
+    def stacked(ws, x):  # (4 layers under a scan: a Gram per layer and example)
+        h, _ = jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x[0], ws)
+        return jnp.sum(h**2)
+
+    g = optclip.clipped_grad(stacked, l2_clip_norm=1.0)
+    shapes = {s for _, ss in grams_in(jax.make_jaxpr(g)(ws, x).jaxpr) for s in ss}
+    assert shapes == {(4, 3, 5, 13)}, shapes
+    check_against_reference(stacked, ws, x, 1.0)
+
+
 @pytest.mark.every_case
 @pytest.mark.parametrize("mode", ["jit", "eager"])
 @pytest.mark.parametrize("written", [(P.DEFAULT, P.HIGHEST), P.HIGH, "F32_F32_F32"])
