@@ -266,7 +266,8 @@ def main(argv=None) -> list[dict]:
     print(markdown(rows))
     if args.json:
         where = machine()
-        save_run(args.json, rows, f"{where['cores']}-core {where['device']}, jax {where['jax']}")
+        chip = where["processor"] if where["platform"] == "cpu" else where["device"]
+        save_run(args.json, rows, f"{chip}, {where['cores']} cores, jax {where['jax']}")
     return rows
 
 
