@@ -321,6 +321,7 @@ def test_the_ghost_steps_parts_are_timed_with_each_part_taken_out(tmp_path):
         "norms one example at a time",
         "norms batched",
         "output gradients unpinned",
+        "output gradients all pinned",
         "Grams at HIGHEST",
         "convolutions' sums together",
         "convolutions' products not formed",
@@ -420,7 +421,7 @@ def test_the_ghost_steps_arithmetic_is_counted(tmp_path):
     variants = ["ghost", "norms at 1", "sums of 0", "tapped pass only", "Grams only"]
     variants += ["direct products"]
     variants += ["norms one example at a time", "norms batched", "output gradients unpinned"]
-    variants += ["Grams at HIGHEST", "convolutions' sums together"]
+    variants += ["output gradients all pinned", "Grams at HIGHEST", "convolutions' sums together"]
     variants += ["convolutions' products not formed", "scans' steps kept whole"]
     variants += ["scans' products kept", "scans' repeated stacks kept"]
     assert list(ratios) == ["jax.grad (non-private)", *variants]

@@ -37,6 +37,8 @@ side by side in one process (interleaved medians, ratios to the non-private step
 * ``output gradients unpinned``: the output gradients at the tapped sites left to XLA's
   layout assignment (`_interpret.in_row_major` as the identity: on a GPU a scanned layer's
   gradients were otherwise laid out for its bias's per-example sum);
+* ``output gradients all pinned``: every tapped output gradient held row-major, the outputs
+  of Equinox's ``W @ x`` products included (`_shared.weight_first` false for every site);
 * ``Grams at HIGHEST``: the Grams at HIGHEST precision, where they otherwise follow their
   products' (`_factors.product_precision`: at JAX's default on a GPU, TF32). On a CPU, where
   float32 products are float32 at every precision, the same step as ``ghost``;
@@ -61,9 +63,10 @@ side by side in one process (interleaved medians, ratios to the non-private step
 
 The parts are swapped in by replacing names of the ghost engine (`_norms.norms`,
 `_sums.clipped`, `_plans.forced`, `_norms.LOOP_WORK`, `_interpret.in_row_major`,
-`_factors.product_precision`, `_sums.in_turn`, `_norms.products`, `_interpret.SCAN_SAVES`,
-`_repeats.merged`) while each step is traced; each variant's norms are checked to be what it
-says (1 where the norms are replaced). A diagnostic, not a contract.
+`_shared.weight_first`, `_factors.product_precision`, `_sums.in_turn`, `_norms.products`,
+`_interpret.SCAN_SAVES`, `_repeats.merged`) while each step is traced; each variant's norms
+are checked to be what it says (1 where the norms are replaced). A diagnostic, not a
+contract.
 
 ``--mlp`` does the same on the benchmark's 784-512-512-10 MLP (at batch 256 by default), whose
 steps take milliseconds: each round then calls a step until the round takes 50 ms.
@@ -145,6 +148,7 @@ from optclip.per_example.ghost import (  # noqa: E402
     _plans,
     _products,
     _repeats,
+    _shared,
     _sums,
 )
 from optclip.per_example.ghost._target import Target  # noqa: E402
@@ -186,6 +190,7 @@ VARIANTS = {
     "norms one example at a time": {"LOOP_WORK": 0},
     "norms batched": {"LOOP_WORK": 2**62},
     "output gradients unpinned": {"in_row_major": lambda g: g},
+    "output gradients all pinned": {"weight_first": lambda site: False},
     "Grams at HIGHEST": {"product_precision": lambda precision: HIGHEST},
     "convolutions' sums together": {"in_turn": _together},
     "convolutions' products not formed": {"products": lambda plans, t: {}},
@@ -199,6 +204,7 @@ _MODULES = {
     "forced": _plans,
     "LOOP_WORK": _norms,
     "in_row_major": _interpret,
+    "weight_first": _shared,
     "product_precision": _factors,
     "in_turn": _sums,
     "products": _norms,

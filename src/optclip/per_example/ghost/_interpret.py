@@ -184,43 +184,43 @@ def in_row_major(x):
     return layout.with_layout_constraint(x, layout.Layout(tuple(range(x.ndim))))
 
 
-@jax.custom_vjp
-def tap(y, t, e):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tap(y, t, e, pinned=True):
     """`y`, whose output gradient comes out as the gradients of its taps `t` (zeros of `y`'s
     shape) and `e` (a zero per example): the output gradient itself and its `exponent_of`
     (taken in the backward pass, where the gradient is formed: XLA then scales it in place
     after the pass). The forward pass never reads `t` (unlike ``y + t``, nothing of its size
-    is formed). The output gradient is held row-major (`in_row_major`): XLA's GPU layout
-    assignment otherwise gave it, in a scanned layer with a materialised bias, the layout of
-    that bias's per-example sum, and transposed it for every reader; a CPU lays it out
-    row-major already."""
-    del t, e
+    is formed). Where `pinned` (`_shared.weight_first`) the output gradient is held row-major
+    (`in_row_major`): XLA's GPU layout assignment otherwise gave it, in a scanned layer with
+    a materialised bias, the layout of that bias's per-example sum, and transposed it for
+    every reader; on a CPU, a language model's logits' gradient was kept twice."""
+    del t, e, pinned
     return y
 
 
-def _tap_forward(y, t, e):
-    del t, e
+def _tap_forward(y, t, e, pinned):
+    del t, e, pinned
     return y, None
 
 
-def _tap_backward(_, g):
-    g = in_row_major(g)
+def _tap_backward(pinned, _, g):
+    g = in_row_major(g) if pinned else g
     return g, g, exponent_of(g).astype(jnp.float32)
 
 
 tap.defvjp(_tap_forward, _tap_backward)
 
 
-@jax.custom_vjp
-def tap_in_scan(y, t, e):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def tap_in_scan(y, t, e, pinned=True):
     """`tap` inside a scan's body: the gradient of `e` is 0 (the output gradients' exponents
     are taken after the backward pass, every step's at once: `exponents_of`)."""
-    del t, e
+    del t, e, pinned
     return y
 
 
-def _tap_in_scan_backward(_, g):
-    g = in_row_major(g)
+def _tap_in_scan_backward(pinned, _, g):
+    g = in_row_major(g) if pinned else g
     return g, g, jnp.zeros((), jnp.float32)
 
 
@@ -331,7 +331,7 @@ def run(jaxpr, consts, args, plan, taps, records, placed):
                 t, e = taps[spot.site][spot.slot]
                 # (a variable shared by the batch, not `batched`, made each example's)
                 y = outs[j] if spot.batched else outs[j] + lax.stop_gradient(t)
-                outs[j] = (tap_in_scan if spot.depth else tap)(y, t, e)
+                outs[j] = (tap_in_scan if spot.depth else tap)(y, t, e, spot.pinned)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, jcore.DropVar):
                 env[v] = ad_checkpoint.checkpoint_name(x, KEPT) if v in placed.kept else x

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jcore
 
-from optclip.per_example.ghost import _interpret, _jaxprs
+from optclip.per_example.ghost import _interpret, _jaxprs, _sites
 
 SUMS = frozenset({"add", "add_any"})
 
@@ -40,12 +40,13 @@ SUMS = frozenset({"add", "add_any"})
 class Spot(NamedTuple):
     """A tapped variable: its tap is ``taps[site][slot]``, inside `depth` scans; `batched`
     when it differs between examples (else its tap is added, as `_trace.batched_sites`
-    explains)."""
+    explains); `pinned` when its output gradient is held row-major (`weight_first`)."""
 
     site: int
     slot: int
     depth: int
     batched: bool
+    pinned: bool = True
 
 
 class Tapped(NamedTuple):
@@ -185,17 +186,18 @@ def _place(jaxpr, plan, sites, batched, out: Placement, scanned: bool) -> None:
         elif path.kind is Transposed:
             give(path.paths[0], transposed(path.param, node))
 
-    def node_of(path: _Path, site):
+    def node_of(path: _Path, site, ordered: bool = True):
         """`path.var`'s gradient from what earlier taps give, with taps of `site` on what
-        they do not: whole where they give nothing below."""
+        they do not: whole where they give nothing below. `ordered`: no transpose above."""
         if path.var in given:
             return given[path.var]
         leaves = path.leaves()
         if path.kind is None or not any(v in given for v in leaves):
-            node = _spot(path.var, site, through, batched, out)
+            node = _spot(path.var, site, through, batched, out, ordered)
             give(path, node)
             return node
-        below = tuple(node_of(p, site) for p in path.paths)
+        ordered = ordered and path.kind is not Transposed
+        below = tuple(node_of(p, site, ordered) for p in path.paths)
         if path.kind is Split:
             return Split(path.param, below)
         return transposed(tuple(path.param.index(d) for d in range(len(path.param))), below[0])
@@ -237,13 +239,26 @@ def transposed(permutation, node):
     return node if permutation == tuple(range(len(permutation))) else Transposed(permutation, node)
 
 
-def _spot(v, site, through, batched, out: Placement) -> Tapped:
-    """`v`'s tap: an existing one, or a new one of `site`'s. A variable a site's path reaches
-    follows from its output: it differs between examples if that output does."""
+def weight_first(site) -> bool:
+    """Whether `site` is a product whose weight is its first operand (``W @ x``, as Equinox
+    writes a layer). Batched by `jax.vmap`, it gives the weight's dimensions before the
+    examples', the order XLA lays its output out in. Its output gradient, and one of a sum or
+    a part of that output, is then left to XLA's layout assignment (`Spot.pinned` False):
+    held row-major, the examples' dimension first, XLA transposed it into a copy of its own.
+    Every other tap is held row-major (`_interpret.tap`)."""
+    return site.kind is _sites.Kind.DENSE and site.views[0][0] == 0
+
+
+def _spot(v, site, through, batched, out: Placement, ordered: bool = True) -> Tapped:
+    """`v`'s tap: an existing one, or a new one of `site`'s (held row-major unless `site` is
+    `weight_first` and `v` is its output, a sum or a part of it, not a transpose: `ordered`).
+    A variable a site's path reaches follows from its output: it differs between examples if
+    that output does."""
+    pinned = not (ordered and weight_first(site))
     if v not in out.at:
         slot = len(out.shapes[site.id])
         readers = through.get(v) or {site.id}
-        out.at[v] = Spot(site.id, slot, site.depth, bool(readers & batched))
+        out.at[v] = Spot(site.id, slot, site.depth, bool(readers & batched), pinned)
         shape = jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
         out.shapes[site.id] = (*out.shapes[site.id], shape)
     return Tapped(out.at[v].site, out.at[v].slot)
