@@ -2755,6 +2755,36 @@ def test_the_output_gradients_are_held_row_major_on_every_platform(remat):
     assert sorted(PINNED.findall(lowered("cpu"))) == pinned
 
 
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_a_products_output_gradient_is_left_to_xla_where_its_weight_comes_first(platform):
+    """`_shared.weight_first`: lowered for a CPU or a GPU, the output gradients of ``W @ x``
+    under `jax.vmap` (as Equinox writes a layer), of such a product alone, and of a sum of
+    two of them in a scan's step (an LSTM's ``W x + U h``) hold no layout constraint; the
+    output gradient of ``x @ W`` is held row-major."""
+    rng = np.random.default_rng(31)
+    shapes = {"w": (5, 4), "u": (5, 5), "v": (5, 6), "s": (3, 6)}
+    params = {k: jnp.asarray(rng.normal(size=n), jnp.float32) for k, n in shapes.items()}
+
+    def loss(p, x):
+        h = x[0]  # (T, 4)
+        a = jax.vmap(lambda r: p["w"] @ r)(h)  # W @ x per position
+
+        def cell(c, r):
+            c = jnp.tanh(p["w"] @ r + p["u"] @ c)  # a sum of two
+            return c, c
+
+        _, cs = jax.lax.scan(cell, jnp.zeros(5), h)
+        b = jnp.tanh(a + cs) @ p["v"]  # x @ W: (T, 6), held row-major
+        return jnp.sum(b**2) + jnp.sum(jnp.tanh(p["s"] @ b.T))  # W @ x: (3, T)
+
+    x = jnp.asarray(rng.normal(size=(2, 3, 4)), jnp.float32)
+    report = str(optclip.ghost_report(loss, params, x))
+    assert report.count("ghost") == 2 * len(shapes), report
+    step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
+    text = step.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
+    assert PINNED.findall(text) == [("2, 1, 0", "2x3x6")]
+
+
 @pytest.mark.slow  # (two programs of each model, compiled as users compile)
 @pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("name", ["scanned", "transformer"])
