@@ -2785,6 +2785,29 @@ def test_a_products_output_gradient_is_left_to_xla_where_its_weight_comes_first(
     assert PINNED.findall(text) == [("2, 1, 0", "2x3x6")]
 
 
+def test_a_part_of_a_transposed_products_output_is_held_row_major():
+    """`_shared.weight_first` leaves a ``W @ x`` output's gradient to XLA only in the
+    product's own order: a part of its transpose, tapped below it (the other part's gradient
+    comes from an earlier tap, an ``x @ W`` output it is added to), is held row-major; and
+    the norms and sums are `method="vmap"`'s."""
+    rng = np.random.default_rng(32)
+    shapes = {"v": (4, 3), "w": (6, 4)}
+    params = {k: jnp.asarray(rng.normal(size=n), jnp.float32) for k, n in shapes.items()}
+
+    def loss(p, x):
+        h = x[0]  # (T, 4)
+        a = h @ p["v"]  # x @ W: (T, 3), tapped first
+        first, second = jnp.split((p["w"] @ h.T).T, 2, axis=1)  # W @ x, transposed, in parts
+        return jnp.sum(jnp.tanh(a + first)) + jnp.sum(jnp.tanh(second) ** 2)
+
+    x = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
+    step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True))
+    text = step.trace(params, x).lower().as_text()
+    assert PINNED.findall(text) == [("2, 1, 0", "2x5x3")] * 2  # (a + first's, second's)
+    by_vmap = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
+    assert_tree_close(step(params, x), jax.jit(by_vmap)(params, x))
+
+
 @pytest.mark.slow  # (two programs of each model, compiled as users compile)
 @pytest.mark.usefixtures("as_users_compile")  # (the same bits)
 @pytest.mark.parametrize("name", ["scanned", "transformer"])

@@ -193,7 +193,7 @@ def tap(y, t, e, pinned=True):
     is formed). Where `pinned` (`_shared.weight_first`) the output gradient is held row-major
     (`in_row_major`): XLA's GPU layout assignment otherwise gave it, in a scanned layer with
     a materialised bias, the layout of that bias's per-example sum, and transposed it for
-    every reader; on a CPU, a language model's logits' gradient was kept twice."""
+    every reader; on a CPU, left to XLA, an ``x @ W`` head's logits' gradient was kept twice."""
     del t, e, pinned
     return y
 
