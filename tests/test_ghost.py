@@ -2785,11 +2785,13 @@ def test_a_products_output_gradient_is_left_to_xla_where_its_weight_comes_first(
     assert PINNED.findall(text) == [("2, 1, 0", "2x3x6")]
 
 
-def test_a_part_of_a_transposed_products_output_is_held_row_major():
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_a_part_of_a_transposed_products_output_is_held_row_major(mode):
     """`_shared.weight_first` leaves a ``W @ x`` output's gradient to XLA only in the
     product's own order: a part of its transpose, tapped below it (the other part's gradient
-    comes from an earlier tap, an ``x @ W`` output it is added to), is held row-major; and
-    the norms and sums are `method="vmap"`'s."""
+    comes from an earlier tap, an ``x @ W`` output it is added to), is held row-major. The
+    norms and sums, jitted and eager, are the float64 reference's: clipped and unclipped
+    examples, at magnitudes whose squares overflow, with a padding example and a NaN one."""
     rng = np.random.default_rng(32)
     shapes = {"v": (4, 3), "w": (6, 4)}
     params = {k: jnp.asarray(rng.normal(size=n), jnp.float32) for k, n in shapes.items()}
@@ -2800,12 +2802,24 @@ def test_a_part_of_a_transposed_products_output_is_held_row_major():
         first, second = jnp.split((p["w"] @ h.T).T, 2, axis=1)  # W @ x, transposed, in parts
         return jnp.sum(jnp.tanh(a + first)) + jnp.sum(jnp.tanh(second) ** 2)
 
-    x = jnp.asarray(rng.normal(size=(2, 5, 4)), jnp.float32)
-    step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True))
+    x = jnp.asarray(rng.normal(size=(4, 5, 4)), jnp.float32)
+    step = jax.jit(optclip.clipped_grad(loss, l2_clip_norm=1.0))
     text = step.trace(params, x).lower().as_text()
-    assert PINNED.findall(text) == [("2, 1, 0", "2x5x3")] * 2  # (a + first's, second's)
-    by_vmap = optclip.clipped_grad(loss, l2_clip_norm=1.0, return_grad_norms=True, method="vmap")
-    assert_tree_close(step(params, x), jax.jit(by_vmap)(params, x))
+    assert PINNED.findall(text) == [("2, 1, 0", "4x5x3")] * 2  # (a + first's, second's)
+    grads64 = gm.per_example_grads(loss, params, x)
+    norms64, _ = gm.reference_from(grads64, 1.0)
+    clip = float(np.median(norms64))  # (some examples clipped, some not)
+    step = magnitude_step(loss, clip, mode)
+    for magnitude in (1.0, 1e22):
+        got = step(params, x, np.float32(magnitude))
+        check_against_grads(got, grads64, clip, magnitude=magnitude)
+    padding = np.array([False, True, False, False])
+    got = step(params, x, np.float32(1), is_padding_example=padding)
+    check_against_grads(got, grads64, clip, padding=padding)
+    grads, aux = step(params, x.at[2, 0, 0].set(np.nan), np.float32(1))
+    assert np.isnan(aux.grad_norms[2]) and np.isfinite(np.delete(aux.grad_norms, 2)).all()
+    _, sums = gm.reference_from(grads64, clip, keep=[0, 1, 3])
+    assert_tree_close(grads, sums)
 
 
 @pytest.mark.slow  # (two programs of each model, compiled as users compile)
